@@ -1,0 +1,10 @@
+"""Test-session set-up: CPU only, eight virtual devices for the sharding tests."""
+
+import os
+
+# Must happen before jax is imported anywhere.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
