@@ -1,0 +1,354 @@
+"""Typed run configuration: the one source of defaults.
+
+A run is described by one frozen `Config` made of four sections. The dataclasses below hold every
+default; YAML presets (`recipes/configs/*.yml`) and `key=value` command-line overrides only change
+them. Keys are MaxText's flat names (`per_device_batch_size=4`), each owned by exactly one section;
+`section.key=value` is accepted too. `model_name` picks a shape preset, applied before the YAML
+file's and the command line's own model keys.
+
+Everything is validated before anything is compiled: unknown keys name the closest valid key, bad
+values name the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+# Flags understood by nvfp4_jax.quant.get_recipe. Kept here as data so that a bad flag fails
+# before jax or the quantizer is touched.
+QUANTIZATION_FLAGS = (
+    "",
+    "bf16",
+    "te_nvfp4",
+    "te_nvfp4_no_rht",
+    "te_fp8_delayedscaling",
+    "te_fp8_currentscaling",
+    "nvfp4_no_sr",
+    "nvfp4_1d_weights",
+    "mxfp4",
+)
+ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
+DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
+PROFILERS = ("", "xplane")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama 3 decoder shape and its numerics policy."""
+
+    model_name: str = "tiny"
+    vocab_size: int = 256
+    base_emb_dim: int = 128
+    base_num_query_heads: int = 4
+    base_num_kv_heads: int = 2
+    head_dim: int = 32
+    base_mlp_dim: int = 384
+    base_num_decoder_layers: int = 4
+    max_target_length: int = 128
+    rope_max_timescale: float = 500_000.0
+    # Llama 3.1 rotary frequency scaling; factor 1.0 disables it.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    normalization_layer_epsilon: float = 1e-5
+    dtype: str = "bfloat16"
+    weight_dtype: str = "float32"
+    # MLP GEMM recipe (nvfp4_jax.quant flag) and the attention projections' policy.
+    quantization: str = ""
+    attention_quantization: str = ""
+    # The paper keeps a few decoder layers in BF16; these count from each end.
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    # shakespeare: the bundled corpus; synthetic: random tokens; text: a UTF-8 file (byte
+    # tokens); tokens: a pre-tokenized flat binary of token ids (numpy memmap).
+    dataset_type: str = "shakespeare"
+    dataset_path: str = ""
+    # Token dtype of a `tokens` file.
+    token_dtype: str = "uint16"
+    # Fraction of the corpus (its tail) held out for evaluation.
+    eval_fraction: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer, schedule, loop, logging, checkpoints and profiling."""
+
+    steps: int = 300
+    per_device_batch_size: int = 8
+    learning_rate: float = 3e-3
+    warmup_steps_fraction: float = 0.1
+    cosine_learning_rate_final_fraction: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    adam_weight_decay: float = 0.1
+    gradient_clipping_threshold: float = 1.0
+    # From this step on every quantized GEMM runs in BF16 (-1: never).
+    quantization_end_step: int = -1
+    seed: int = 0
+    log_period: int = 10
+    eval_interval: int = 100
+    eval_steps: int = 4
+    run_name: str = ""
+    base_output_directory: str = "runs"
+    enable_checkpointing: bool = True
+    checkpoint_period: int = 100
+    max_checkpoints_to_keep: int = 3
+    profiler: str = ""
+    profile_start_step: int = 5
+    profile_steps: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh (MaxText's names; -1 means 'the rest of the devices')."""
+
+    ici_data_parallelism: int = 1
+    ici_fsdp_parallelism: int = -1
+    dcn_data_parallelism: int = 1
+    # Multi-host start-up; empty/-1 means "read the usual environment variables".
+    coordinator_address: str = ""
+    num_processes: int = -1
+    process_id: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+
+
+_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
+# Flat key -> section name.
+KEY_SECTIONS = {
+    f.name: section for section, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)
+}
+
+# Published shapes. vocab sizes are the real tokenizers'; `tiny` trains in minutes on 2 cores.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=256, base_emb_dim=128, base_num_query_heads=4, base_num_kv_heads=2,
+        head_dim=32, base_mlp_dim=384, base_num_decoder_layers=4, rope_scaling_factor=1.0,
+    ),
+    # About 25M parameters, for the step benchmark.
+    "small-25m": dict(
+        vocab_size=256, base_emb_dim=512, base_num_query_heads=8, base_num_kv_heads=4,
+        head_dim=64, base_mlp_dim=1536, base_num_decoder_layers=8, rope_scaling_factor=1.0,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256, base_emb_dim=4096, base_num_query_heads=32, base_num_kv_heads=8,
+        head_dim=128, base_mlp_dim=14336, base_num_decoder_layers=32,
+        rope_max_timescale=500_000.0, rope_scaling_factor=1.0, normalization_layer_epsilon=1e-5,
+    ),
+    "llama3.1-405b": dict(
+        vocab_size=128256, base_emb_dim=16384, base_num_query_heads=128, base_num_kv_heads=8,
+        head_dim=128, base_mlp_dim=53248, base_num_decoder_layers=126,
+        rope_max_timescale=500_000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_max_position=8192,
+        normalization_layer_epsilon=1e-5,
+    ),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used."""
+
+
+def _closest(key: str, options) -> str:
+    match = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = {"int": int, "float": float, "str": str, "bool": bool}
+    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Turns a YAML or command-line value into the field's type, or raises ConfigError."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes"):
+            return True
+        if text in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{key}={value!r}: expected a boolean (true/false).")
+    if typ is str:
+        return "" if value is None else str(value)
+    try:
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if isinstance(value, str) and any(c in value for c in ".eE") and "x" not in value:
+                as_float = float(value)
+                if not as_float.is_integer():
+                    raise ValueError
+                return int(as_float)
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}.") from None
+
+
+def _resolve_key(key: str) -> tuple[str, str]:
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section not in _SECTION_CLASSES:
+            raise ConfigError(
+                f"Unknown config section '{section}' in '{key}'; sections: {sorted(_SECTION_CLASSES)}."
+            )
+        if KEY_SECTIONS.get(name) != section:
+            raise ConfigError(
+                f"Unknown config key '{key}'.{_closest(name, [k for k, s in KEY_SECTIONS.items() if s == section])}"
+            )
+        return section, name
+    if key not in KEY_SECTIONS:
+        raise ConfigError(f"Unknown config key '{key}'.{_closest(key, KEY_SECTIONS)}")
+    return KEY_SECTIONS[key], key
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, str]:
+    """`["a=1", "b=x"]` -> `{"a": "1", "b": "x"}`; anything else is an error."""
+    out: dict[str, str] = {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(f"Expected key=value, got {arg!r}.")
+        key, value = arg.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise ConfigError(f"Config file {path!r} does not exist.")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path!r} must hold a mapping of key: value, got {type(data).__name__}.")
+    return data
+
+
+def make_config(*layers: Mapping[str, Any]) -> Config:
+    """Builds a validated Config from override layers applied in order (later layers win).
+
+    The model preset named by the final `model_name` is applied first, under all layers.
+    """
+    merged: dict[tuple[str, str], Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            merged[_resolve_key(key)] = value
+    model_name = str(merged.get(("model", "model_name"), ModelConfig.model_name))
+    if model_name not in MODEL_PRESETS:
+        raise ConfigError(
+            f"model_name={model_name!r} is not a known preset; choose one of {sorted(MODEL_PRESETS)}."
+        )
+    values: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_CLASSES}
+    values["model"].update(MODEL_PRESETS[model_name])
+    for (section, name), value in merged.items():
+        values[section][name] = value
+    sections = {}
+    for section, cls in _SECTION_CLASSES.items():
+        types = _field_types(cls)
+        sections[section] = cls(**{k: _coerce(k, v, types[k]) for k, v in values[section].items()})
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def load_config(argv: Sequence[str] = ()) -> Config:
+    """`[config.yml] [key=value ...]` -> Config (the command-line form)."""
+    argv = list(argv)
+    layers: list[Mapping[str, Any]] = []
+    if argv and "=" not in argv[0]:
+        layers.append(load_yaml(argv.pop(0)))
+    layers.append(parse_overrides(argv))
+    return make_config(*layers)
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}.")
+
+
+def validate(cfg: Config) -> None:
+    """Raises ConfigError for values no run can use. Pure: looks at the config only."""
+    m, d, t, mesh = cfg.model, cfg.data, cfg.train, cfg.mesh
+    for key in ("vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
+                "head_dim", "base_mlp_dim", "base_num_decoder_layers", "max_target_length"):
+        _check(getattr(m, key) > 0, key, getattr(m, key), "must be a positive integer")
+    _check(m.base_num_query_heads % m.base_num_kv_heads == 0, "base_num_kv_heads",
+           m.base_num_kv_heads, f"must divide base_num_query_heads={m.base_num_query_heads}")
+    _check(m.head_dim % 2 == 0, "head_dim", m.head_dim, "must be even (rotary embedding)")
+    _check(m.quantization in QUANTIZATION_FLAGS, "quantization", m.quantization,
+           f"choose one of {list(QUANTIZATION_FLAGS)}")
+    _check(m.attention_quantization in ATTENTION_QUANTIZATION_FLAGS, "attention_quantization",
+           m.attention_quantization, f"choose one of {list(ATTENTION_QUANTIZATION_FLAGS)}")
+    _check(m.dtype in ("bfloat16", "float32"), "dtype", m.dtype, "bfloat16 or float32")
+    _check(m.weight_dtype in ("float32",), "weight_dtype", m.weight_dtype,
+           "float32 (master weights stay fp32)")
+    for key in ("bf16_first_layers", "bf16_last_layers"):
+        _check(getattr(m, key) >= 0, key, getattr(m, key), "must be >= 0")
+    _check(m.bf16_first_layers + m.bf16_last_layers <= m.base_num_decoder_layers,
+           "bf16_first_layers", m.bf16_first_layers,
+           f"bf16_first_layers + bf16_last_layers must be <= base_num_decoder_layers={m.base_num_decoder_layers}")
+    if m.quantization not in ("", "bf16"):
+        block = 32 if m.quantization == "mxfp4" else 16
+        for key in ("base_emb_dim", "base_mlp_dim"):
+            _check(getattr(m, key) % block == 0, key, getattr(m, key),
+                   f"quantization={m.quantization!r} needs a multiple of {block}")
+    _check(d.dataset_type in DATASET_TYPES, "dataset_type", d.dataset_type,
+           f"choose one of {list(DATASET_TYPES)}")
+    if d.dataset_type in ("text", "tokens"):
+        _check(bool(d.dataset_path), "dataset_path", d.dataset_path,
+               f"dataset_type={d.dataset_type!r} needs a file path")
+    _check(d.token_dtype in ("uint16", "uint32", "int32"), "token_dtype", d.token_dtype,
+           "uint16, uint32 or int32")
+    _check(0.0 < d.eval_fraction < 1.0, "eval_fraction", d.eval_fraction, "must lie in (0, 1)")
+    for key in ("steps", "per_device_batch_size", "log_period", "eval_interval", "eval_steps",
+                "checkpoint_period", "max_checkpoints_to_keep", "profile_steps"):
+        _check(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
+    _check(t.learning_rate > 0, "learning_rate", t.learning_rate, "must be > 0")
+    _check(0.0 <= t.warmup_steps_fraction < 1.0, "warmup_steps_fraction",
+           t.warmup_steps_fraction, "must lie in [0, 1)")
+    _check(0.0 <= t.cosine_learning_rate_final_fraction <= 1.0,
+           "cosine_learning_rate_final_fraction", t.cosine_learning_rate_final_fraction,
+           "must lie in [0, 1]")
+    _check(t.gradient_clipping_threshold >= 0, "gradient_clipping_threshold",
+           t.gradient_clipping_threshold, "must be >= 0 (0 disables clipping)")
+    _check(t.profiler in PROFILERS, "profiler", t.profiler, f"choose one of {list(PROFILERS)}")
+    _check(t.profile_start_step >= 0, "profile_start_step", t.profile_start_step, "must be >= 0")
+    for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism"):
+        value = getattr(mesh, key)
+        _check(value == -1 or value > 0, key, value, "must be a positive integer or -1")
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def save_json(cfg: Config, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2, sort_keys=True)
+
+
+def from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
+    """Inverse of `to_dict` (reads a saved config.json)."""
+    flat = {f"{section}.{k}": v for section, keys in data.items() for k, v in keys.items()}
+    return make_config(flat)
