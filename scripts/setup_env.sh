@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment and installs the package into it.
+# Usage: source scripts/setup_env.sh [EXTRAS]   (EXTRAS e.g. "test"; default none)
+# Sets PY to the environment's python. VENV overrides the location (default: .venv).
+set -euo pipefail
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$_root/.venv}"
+_extras="${1:-}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment in $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+# Reinstall only when pyproject.toml changed since the last install (or extras differ).
+_stamp="$VENV/.nvfp4_jax_installed"
+_want="$(sha256sum "$_root/pyproject.toml" | cut -d' ' -f1) extras=[$_extras]"
+if [ ! -f "$_stamp" ] || ! grep -qxF "$_want" "$_stamp"; then
+  echo "[setup] installing nvfp4_jax${_extras:+[$_extras]} (first run takes a few minutes)"
+  "$PY" -m pip install -q --upgrade pip >/dev/null
+  if [ -n "$_extras" ]; then
+    "$PY" -m pip install -q -e "$_root[$_extras]"
+  else
+    "$PY" -m pip install -q -e "$_root"
+  fi
+  echo "$_want" > "$_stamp"
+fi
+export PY
