@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# NVFP4 pre-training example.
+#
+#   recipes/nvfp4_example.sh [key=value ...]
+#   QUANTIZATION=te_fp8_delayedscaling recipes/nvfp4_example.sh      # the FP8 baseline
+#
+# On Blackwell GPUs with Transformer Engine: Llama 3 8B, te_nvfp4, 8k context, batch 4 per GPU,
+# FSDP over the local GPUs, 50 steps (NVIDIA's MaxText example). Anywhere else: the tiny preset on
+# the bundled Shakespeare corpus with the bit-exact emulated recipe. Extra key=value arguments
+# override either. Sets up its own virtual environment on first use (outside a container that
+# already has the package).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+if [ -n "${NVFP4_JAX_PYTHON:-}" ]; then
+  PY="$NVFP4_JAX_PYTHON"          # e.g. the container's python, package already installed
+else
+  source scripts/setup_env.sh
+fi
+
+# Blackwell (compute capability 10.x) with Transformer Engine's JAX package?
+if "$PY" - <<'PYEOF' 2>/dev/null
+import sys
+from nvfp4_jax.quant.te_backend import device_is_blackwell, te_available
+sys.exit(0 if te_available() and device_is_blackwell() else 1)
+PYEOF
+then
+  config=recipes/configs/llama3-8b.yml
+  echo "[nvfp4_example] Blackwell + Transformer Engine found: Llama 3 8B with real FP4 kernels"
+else
+  config=recipes/configs/tiny.yml
+  echo "[nvfp4_example] no Blackwell GPU with Transformer Engine: tiny Llama, emulated NVFP4"
+fi
+
+args=()
+if [ -n "${QUANTIZATION:-}" ]; then args+=("quantization=$QUANTIZATION"); fi
+exec "$PY" -m nvfp4_jax.train "$config" "${args[@]}" "$@"
