@@ -1,0 +1,317 @@
+"""The quantized GEMM of one linear layer, as a drop-in for `jax.lax.dot_general`.
+
+For `Y = X . W` (X `[T, K]` with all leading dims flattened into tokens T, W `[K, N]`) the
+custom VJP below writes out the three GEMMs of NVFP4_SPEC.md section 7, each operand quantized
+for its own usage from the high-precision tensor:
+
+    FPROP  Y  = X   . W     X 1x16 along K (RN)          W 16x16 tiles (RN)
+    DGRAD  dX = dY  . W^T   dY 1x16 along N (SR)         W^T: the forward's quantized W
+    WGRAD  dW = X^T . dY    X^T 1x16 along T (RHT, RN)   dY^T 1x16 along T (RHT, SR)
+
+The emulated GEMM multiplies bf16 operands (an E2M1 value times its E4M3 block scale is exact
+in bf16) with fp32 accumulation, then applies `alpha`, the product of the two per-tensor decode
+scales, in fp32, and rounds to the output dtype. The FP8 and MXFP4 baselines use the same
+structure with their own operands.
+
+Stochastic-rounding keys: the caller passes one key per step and layer (`QuantDotGeneral`
+draws it from the "quant" rng stream); the DGRAD and WGRAD copies of dY get
+`fold_in(key, 0)` and `fold_in(key, 1)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nvfp4_jax.quant import formats as F
+from nvfp4_jax.quant import fp8_delayed
+from nvfp4_jax.quant.fp8 import quantize_fp8
+from nvfp4_jax.quant.mxfp4 import quantize_mxfp4
+from nvfp4_jax.quant.nvfp4 import dequantize, nvfp4_gemm_operand
+from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
+from nvfp4_jax.quant.te_backend import resolve_backend
+
+# fold_in constants: the two stochastically rounded copies of dY must not share random bits.
+SR_DGRAD = 0
+SR_WGRAD = 1
+
+# lax.dot_general dimension numbers of the three GEMMs on X [T, K], W [K, N], dY [T, N].
+_FPROP_DIMS = (((1,), (0,)), ((), ()))  # X . W
+_DGRAD_DIMS = (((1,), (1,)), ((), ()))  # dY . W^T
+_WGRAD_DIMS = (((0,), (0,)), ((), ()))  # X^T . dY
+
+DotGeneral = Callable[..., jax.Array]
+
+
+def sr_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stochastic-rounding keys of dY's DGRAD copy and WGRAD copy, derived from `key`."""
+    return jax.random.fold_in(key, SR_DGRAD), jax.random.fold_in(key, SR_WGRAD)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the custom VJP needs that is not an array (hashable: a nondiff argument)."""
+
+    recipe: Recipe
+    nvfp4_operand: Callable
+    out_dtype: Any
+    x_dtype: Any
+    w_dtype: Any
+
+
+def make_dot_general(
+    recipe="te_nvfp4",
+    key: Optional[jax.Array] = None,
+    *,
+    fp8_meta: Optional[fp8_delayed.FP8Meta] = None,
+    nvfp4_operand: Optional[Callable] = None,
+) -> DotGeneral:
+    """A function with `lax.dot_general`'s signature that runs `recipe`'s quantized GEMMs.
+
+    Args:
+      recipe: a `Recipe` or its flag ("te_nvfp4", ...). "bf16"/"" returns `lax.dot_general`.
+      key: PRNG key for stochastic rounding; required when the recipe rounds gradients
+        stochastically. Pass a different key per step and per layer.
+      fp8_meta: delayed-scaling FP8 state of this layer (`fp8_delayed.init_fp8_meta`); required
+        for "te_fp8_delayedscaling". The gradient with respect to it is the next state.
+      nvfp4_operand: replaces `nvfp4_gemm_operand` (same signature), for tests and experiments.
+
+    Only the dense case is supported: `lhs[..., K]` contracting its last dim with `rhs[K, N]`,
+    no batch dims. This pure-function form always emulates; the Transformer Engine backend is
+    reached through `QuantDotGeneral`.
+    """
+    recipe = get_recipe(recipe)
+    if recipe.is_bf16:
+        return lax.dot_general
+    name = recipe_name(recipe)
+    if recipe.backend == "te":
+        resolve_backend(recipe)  # raises TEUnavailableError without TE
+        raise ValueError(
+            f"{name}: backend='te' runs through the Flax module QuantDotGeneral (TE keeps its "
+            "rng and state in Flax collections); make_dot_general only emulates"
+        )
+    if recipe.needs_rng and key is None:
+        raise ValueError(
+            f"{name} rounds gradients stochastically and needs a PRNG key: "
+            "make_dot_general(recipe, key) with a different key every step and layer"
+        )
+    if recipe.fp8_delayed:
+        if fp8_meta is None:
+            raise ValueError(
+                f"{name} needs its amax-history state: make_dot_general(recipe, "
+                f"fp8_meta=init_fp8_meta({recipe.amax_history_len})) or QuantDotGeneral"
+            )
+        fp8_delayed.check_fp8_meta(fp8_meta, recipe.amax_history_len)
+    elif fp8_meta is not None:
+        raise ValueError(f"{name} keeps no FP8 state; fp8_meta must be None")
+    if not recipe.needs_rng:
+        key = None
+    operand = nvfp4_operand or nvfp4_gemm_operand
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        # `precision` does not apply: the operands are exact in bf16 and products accumulate
+        # in fp32 whatever it says.
+        del precision
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        k, n = _check_dense(lhs, rhs, dimension_numbers, name)
+        tokens = math.prod(lhs.shape[:-1])
+        _check_blocks(recipe, name, tokens=tokens, k=k, n=n)
+        out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+        static = _Static(recipe, operand, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta)
+        return y.reshape(*lhs.shape[:-1], n)
+
+    return dot_general
+
+
+def _check_dense(lhs, rhs, dimension_numbers, name: str) -> tuple[int, int]:
+    supported = f"(((lhs.ndim - 1,), (0,)), ((), ())) = ((({lhs.ndim - 1},), (0,)), ((), ()))"
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc = tuple(int(d) % lhs.ndim for d in lc)
+        rc = tuple(int(d) % rhs.ndim for d in rc)
+        lb, rb = tuple(lb), tuple(rb)
+    except (TypeError, ValueError, ZeroDivisionError):
+        lc = rc = lb = rb = None
+    if lhs.ndim < 1 or rhs.ndim != 2 or lc != (lhs.ndim - 1,) or rc != (0,) or lb or rb:
+        raise ValueError(
+            f"quantized dot_general ({name}) supports only the dense layer case lhs[..., K] x "
+            f"rhs[K, N] with dimension_numbers {supported}; got dimension_numbers="
+            f"{dimension_numbers!r} for lhs shape {lhs.shape} and rhs shape {rhs.shape}"
+        )
+    if lhs.shape[-1] != rhs.shape[0]:
+        raise ValueError(
+            f"quantized dot_general ({name}): contracting sizes differ, lhs shape {lhs.shape} "
+            f"(K={lhs.shape[-1]}) vs rhs shape {rhs.shape} (K={rhs.shape[0]})"
+        )
+    for side, arr in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"quantized dot_general ({name}): {side} dtype {arr.dtype} is not floating")
+    return rhs.shape[0], rhs.shape[1]
+
+
+def _check_blocks(recipe: Recipe, name: str, *, tokens: int, k: int, n: int) -> None:
+    block = recipe.block_size
+    if block is None:
+        return
+    # Each of T, K, N is a blocked (contraction) axis of some GEMM operand.
+    bad = {dim: size for dim, size in (("tokens T", tokens), ("K", k), ("N", n)) if size % block}
+    if bad:
+        listed = ", ".join(f"{dim}={size}" for dim, size in bad.items())
+        raise ValueError(
+            f"quantized dot_general ({name}): {listed} not a multiple of the block size {block}; "
+            f"token count (product of lhs leading dims), K and N must all be multiples of {block}"
+        )
+
+
+# --- the custom VJP ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _quantized_matmul(static: _Static, x, w, key, meta):
+    return _fwd(static, x, w, key, meta)[0]
+
+
+def _fwd(static: _Static, x, w, key, meta):
+    fmt = static.recipe.format
+    if fmt == "nvfp4":
+        return _nvfp4_fwd(static, x, w, key, meta)
+    if fmt == "mxfp4":
+        return _mxfp4_fwd(static, x, w, key, meta)
+    return _fp8_fwd(static, x, w, key, meta)
+
+
+def _bwd(static: _Static, res, g):
+    fmt = static.recipe.format
+    if fmt == "nvfp4":
+        return _nvfp4_bwd(static, res, g)
+    if fmt == "mxfp4":
+        return _mxfp4_bwd(static, res, g)
+    return _fp8_bwd(static, res, g)
+
+
+_quantized_matmul.defvjp(_fwd, _bwd)
+
+
+def _gemm(a, b, alpha, dims, out_dtype):
+    """bf16 x bf16 products accumulated in fp32, times alpha in fp32, rounded to out_dtype."""
+    acc = lax.dot_general(
+        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims, preferred_element_type=jnp.float32
+    )
+    return (acc * alpha).astype(out_dtype)
+
+
+# --- NVFP4 ------------------------------------------------------------------------------------
+
+
+def _nvfp4_fwd(static: _Static, x, w, key, meta):
+    r, quant = static.recipe, static.nvfp4_operand
+    # FPROP  Y = X . W: X 1x16 along K, W in 16x16 tiles (or 1x16 along K), round to nearest.
+    xq, sx = quant(x, axis=1)
+    wq, sw = quant(w, axis=0, two_d=r.two_d_weights)
+    y = _gemm(xq, wq, sx * sw, _FPROP_DIMS, static.out_dtype)
+    # 2D tiles make the quantized W its own transpose: DGRAD reuses it. 1x16 weights must be
+    # requantized along N from the high-precision W.
+    w_for_dgrad = (wq, sw) if r.two_d_weights else w
+    return y, (x, w_for_dgrad, key)
+
+
+def _nvfp4_bwd(static: _Static, res, g):
+    r, quant = static.recipe, static.nvfp4_operand
+    x, w_for_dgrad, key = res
+    k_dgrad, k_wgrad = sr_keys(key) if r.sr_gradients else (None, None)
+    sr = r.sr_gradients
+
+    # DGRAD  dX = dY . W^T: dY 1x16 along N (SR); W^T the forward's quantized W.
+    gq, sg = quant(g, axis=1, stochastic=sr, key=k_dgrad)
+    if r.two_d_weights:
+        wq, sw = w_for_dgrad
+    else:
+        wq, sw = quant(w_for_dgrad, axis=1)
+    dx = _gemm(gq, wq, sg * sw, _DGRAD_DIMS, static.x_dtype)
+
+    # WGRAD  dW = X^T . dY: both 1x16 along tokens, RHT on both (it cancels in the product),
+    # SR on dY only.
+    xt, sxt = quant(x, axis=0, rht=r.rht_wgrad)
+    gt, sgt = quant(g, axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad)
+    dw = _gemm(xt, gt, sxt * sgt, _WGRAD_DIMS, static.w_dtype)
+    return dx, dw, None, None
+
+
+# --- MXFP4 ------------------------------------------------------------------------------------
+
+
+def _mxfp4_operand(x, axis):
+    # E2M1 times a power of two: exact in bf16 (outside the far ends of the E8M0 range).
+    return dequantize(quantize_mxfp4(x, axis=axis), jnp.bfloat16)
+
+
+def _mxfp4_fwd(static: _Static, x, w, key, meta):
+    # FPROP  Y = X . W: 32-blocks along K on both operands; no per-tensor scale.
+    y = _gemm(_mxfp4_operand(x, 1), _mxfp4_operand(w, 0), 1.0, _FPROP_DIMS, static.out_dtype)
+    return y, (x, w)
+
+
+def _mxfp4_bwd(static: _Static, res, g):
+    x, w = res
+    # DGRAD  dX = dY . W^T: blocks along N, W requantized from high precision.
+    dx = _gemm(_mxfp4_operand(g, 1), _mxfp4_operand(w, 1), 1.0, _DGRAD_DIMS, static.x_dtype)
+    # WGRAD  dW = X^T . dY: blocks along tokens.
+    dw = _gemm(_mxfp4_operand(x, 0), _mxfp4_operand(g, 0), 1.0, _WGRAD_DIMS, static.w_dtype)
+    return dx, dw, None, None
+
+
+# --- FP8 (per-tensor, HYBRID) -----------------------------------------------------------------
+
+
+def _amax(x):
+    # An integer max over |x| bits: XLA's float max can drop NaN.
+    return F.bits_to_f32(jnp.max(F.abs_bits(x)))
+
+
+def _fp8_scale(static: _Static, meta, role, amax):
+    if static.recipe.fp8_delayed:
+        return meta[fp8_delayed.scale_name(role)][0]  # from earlier steps only
+    return fp8_delayed.scale_from_amax(amax, fp8_delayed.ROLE_FORMATS[role])[0]
+
+
+def _fp8_operand(static: _Static, meta, role, x):
+    """(FP8 values, fp32 decode scale, amax) of `x` in its role's format."""
+    amax = _amax(x)
+    q = quantize_fp8(x, _fp8_scale(static, meta, role, amax), fp8_delayed.ROLE_FORMATS[role])
+    return q.data, q.scale_inv, amax
+
+
+def _fp8_fwd(static: _Static, x, w, key, meta):
+    xq, dec_x, amax_x = _fp8_operand(static, meta, "x", x)
+    wq, dec_w, amax_w = _fp8_operand(static, meta, "w", w)
+    # FPROP  Y = X . W: both E4M3.
+    y = _gemm(xq, wq, dec_x * dec_w, _FPROP_DIMS, static.out_dtype)
+    # Per-tensor scales make every quantized tensor its own transpose: the backward reuses the
+    # forward's FP8 X and W (one byte per element).
+    state = (meta, amax_x, amax_w) if static.recipe.fp8_delayed else None
+    return y, (xq, dec_x, wq, dec_w, state)
+
+
+def _fp8_bwd(static: _Static, res, g):
+    xq, dec_x, wq, dec_w, state = res
+    meta = state[0] if state is not None else None
+    gq, dec_g, amax_g = _fp8_operand(static, meta, "dy", g)
+    # DGRAD  dX = dY . W^T: E5M2 x E4M3.
+    dx = _gemm(gq, wq, dec_g * dec_w, _DGRAD_DIMS, static.x_dtype)
+    # WGRAD  dW = X^T . dY: E4M3 x E5M2.
+    dw = _gemm(xq, gq, dec_x * dec_g, _WGRAD_DIMS, static.w_dtype)
+    next_meta = None
+    if state is not None:
+        # Overwrite-with-gradient: the cotangent of this step's state is the next state.
+        meta, amax_x, amax_w = state
+        next_meta = fp8_delayed.next_fp8_meta(
+            meta, {"x": amax_x, "w": amax_w, "dy": amax_g}, margin=static.recipe.margin
+        )
+    return dx, dw, None, next_meta

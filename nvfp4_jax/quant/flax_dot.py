@@ -1,0 +1,110 @@
+"""The Flax form of the quantization seam: `QuantDotGeneral`, a module with dot_general's call.
+
+A model is handed a zero-argument factory (`dot_general_factory(recipe)`) and calls it once per
+projection inside its compact body, so each projection owns one `QuantDotGeneral` submodule.
+That submodule
+
+- draws its stochastic-rounding key from the rng stream "quant" (`self.make_rng("quant")`), so
+  keys differ per layer (Flax folds in the module path) and per step (the key the train step
+  passes in `rngs`);
+- for delayed-scaling FP8 keeps its amax histories and scales in the variable collection
+  "fp8_meta", updated by the overwrite-with-gradient rule (see `fp8_delayed`).
+
+What the train step does (see `nvfp4_jax.train.step`):
+
+    def loss_fn(params, fp8_meta):
+        variables = {"params": params, "fp8_meta": fp8_meta}
+        return loss(model.apply(variables, x, rngs=quant_rngs(step_key)))
+    loss, (grads, new_fp8_meta) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fp8_meta)
+    # optimizer sees `grads` only; the state becomes new_fp8_meta as is.
+
+The "gradient" of fp8_meta is only the next state when it comes from exactly one backward
+pass through each layer: with gradient accumulation keep the last micro-batch's, never a sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nvfp4_jax.quant import fp8_delayed, te_backend
+from nvfp4_jax.quant.dot import make_dot_general
+from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
+
+RNG_STREAM = "quant"
+# Collections whose "gradient" is the next value (ours, and TE's for its DelayedScaling).
+OVERWRITE_WITH_GRADIENT_COLLECTIONS = (fp8_delayed.COLLECTION, te_backend.TE_STATE_COLLECTION)
+
+
+class QuantDotGeneral(nn.Module):
+    """A `lax.dot_general`-compatible Flax module that runs `recipe`'s quantized GEMMs.
+
+    Attributes:
+      recipe: a `Recipe` or its flag string.
+    """
+
+    recipe: Union[Recipe, str] = "te_nvfp4"
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        recipe = get_recipe(self.recipe)
+        if recipe.is_bf16:
+            return lax.dot_general(
+                lhs, rhs, dimension_numbers, precision=precision,
+                preferred_element_type=preferred_element_type,
+            )
+        if te_backend.resolve_backend(recipe) == "te":
+            te_dot = te_backend.te_dot_general_cls(recipe)(name="te")
+            return te_dot(lhs, rhs, dimension_numbers, precision=precision)
+        key = self._sr_key(recipe) if recipe.needs_rng else None
+        meta = self._fp8_meta(recipe) if recipe.fp8_delayed else None
+        emulated = dataclasses.replace(recipe, backend="emulated")
+        dot_general = make_dot_general(emulated, key, fp8_meta=meta)
+        return dot_general(
+            lhs, rhs, dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+
+    def _sr_key(self, recipe: Recipe) -> jax.Array:
+        if self.has_rng(RNG_STREAM):
+            return self.make_rng(RNG_STREAM)
+        if self.is_initializing():
+            # init only needs shapes; its gradients are never rounded.
+            return jax.random.PRNGKey(0)
+        raise ValueError(
+            f"QuantDotGeneral({recipe_name(recipe)}) rounds gradients stochastically and needs "
+            f"the rng stream {RNG_STREAM!r}: model.apply(..., rngs={{{RNG_STREAM!r}: key}}) "
+            "with a different key every step"
+        )
+
+    def _fp8_meta(self, recipe: Recipe) -> fp8_delayed.FP8Meta:
+        length = recipe.amax_history_len
+        meta = {}
+        for role in fp8_delayed.ROLES:
+            h = fp8_delayed.history_name(role)
+            s = fp8_delayed.scale_name(role)
+            meta[h] = self.variable(fp8_delayed.COLLECTION, h, jnp.zeros, (length,), jnp.float32).value
+            meta[s] = self.variable(fp8_delayed.COLLECTION, s, jnp.ones, (1,), jnp.float32).value
+        return meta
+
+
+def dot_general_factory(recipe: Union[Recipe, str]) -> Optional[Callable[[], QuantDotGeneral]]:
+    """A zero-argument factory of `QuantDotGeneral(recipe)`, or None for the bf16 recipe.
+
+    None means "use `jax.lax.dot_general`", the model's convention for BF16.
+    """
+    recipe = get_recipe(recipe)
+    if recipe.is_bf16:
+        return None
+    return functools.partial(QuantDotGeneral, recipe=recipe)
+
+
+def quant_rngs(key: jax.Array) -> dict:
+    """The `rngs` for `model.apply` of one step: our stream "quant" and TE's "sr_rng"."""
+    return {RNG_STREAM: key, te_backend.TE_RNG_STREAM: jax.random.fold_in(key, 0x7E)}

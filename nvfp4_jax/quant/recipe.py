@@ -1,0 +1,130 @@
+"""GEMM recipes: which number format each operand of a linear layer's three GEMMs gets.
+
+A recipe is data. `Recipe` holds the numerics choices, `RECIPES` maps the user-facing flag
+strings (MaxText's names) to instances, and `get_recipe` resolves a flag or passes a recipe
+through. `nvfp4_jax.quant.dot` turns a recipe into a quantized `dot_general`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Mapping, Union
+
+Format = Literal["bf16", "nvfp4", "mxfp4", "fp8"]
+Backend = Literal["auto", "emulated", "te"]
+
+_FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
+_BACKENDS = ("auto", "emulated", "te")
+_FP8_SCALINGS = ("delayed", "current")
+# The element formats fix their block sizes; a field that could take other values would lie.
+_BLOCK_SIZES = {"bf16": None, "nvfp4": 16, "mxfp4": 32, "fp8": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The numerics of one linear layer's FPROP, DGRAD and WGRAD GEMMs.
+
+    Why these fields (NVFP4_SPEC.md sections 4-7 and 10):
+
+    - `format`: the element format of every GEMM operand. "bf16" is plain `lax.dot_general`;
+      "nvfp4" is E2M1 with E4M3 block scales and an fp32 per-tensor scale; "mxfp4" is E2M1 with
+      E8M0 power-of-two block scales and no per-tensor scale; "fp8" is per-tensor scaled FP8
+      (E4M3 for X and W, E5M2 for gradients: TE's HYBRID format).
+    - `block_size`: elements per block scale (16 for NVFP4, 32 for MXFP4, None otherwise).
+    - `two_d_weights`: NVFP4 weights use 16x16 tiles, so the quantized W and W^T hold the same
+      numbers and FPROP and DGRAD see one weight (the chain rule stays consistent). False is the
+      "1x16 weights" ablation: W is quantized along K for FPROP and along N for DGRAD.
+    - `rht_wgrad`: the Random Hadamard Transform on both WGRAD operands along the token axis.
+      It spreads outliers across each 16-block before quantization and cancels inside the GEMM.
+    - `sr_gradients`: stochastic rounding of the output gradient dY (both its DGRAD and WGRAD
+      copies), which keeps the weight update unbiased. X and W always round to nearest.
+    - `fp8_scaling`: "delayed" takes each tensor's scale from an amax history of earlier steps
+      (state carried by the train step, see `fp8_delayed`); "current" from the tensor itself.
+    - `amax_history_len`, `margin`: TE `DelayedScaling` defaults (1024, 0); the scale is
+      `fp8_max / max(history) / 2**margin`.
+    - `backend`: "emulated" runs the pure-JAX reference numerics on any device; "te" uses
+      Transformer Engine's kernels (Blackwell); "auto" picks TE where it imports and the GPU
+      reports compute capability 10.x, emulation elsewhere.
+    """
+
+    format: Format = "bf16"
+    block_size: int | None = None
+    two_d_weights: bool = False
+    rht_wgrad: bool = False
+    sr_gradients: bool = False
+    fp8_scaling: Literal["delayed", "current"] = "current"
+    amax_history_len: int = 1024
+    margin: int = 0
+    backend: Backend = "auto"
+
+    def __post_init__(self):
+        if self.format not in _FORMATS:
+            raise ValueError(f"Recipe.format={self.format!r}; allowed: {_FORMATS}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"Recipe.backend={self.backend!r}; allowed: {_BACKENDS}")
+        if self.fp8_scaling not in _FP8_SCALINGS:
+            raise ValueError(f"Recipe.fp8_scaling={self.fp8_scaling!r}; allowed: {_FP8_SCALINGS}")
+        want = _BLOCK_SIZES[self.format]
+        if self.block_size != want:
+            raise ValueError(
+                f"Recipe.block_size={self.block_size!r} with format={self.format!r}; "
+                f"that format requires block_size={want!r}"
+            )
+        if self.format != "nvfp4" and (self.two_d_weights or self.rht_wgrad or self.sr_gradients):
+            raise ValueError(
+                f"two_d_weights/rht_wgrad/sr_gradients are NVFP4 options; format={self.format!r} "
+                f"got two_d_weights={self.two_d_weights}, rht_wgrad={self.rht_wgrad}, "
+                f"sr_gradients={self.sr_gradients}"
+            )
+        if self.amax_history_len < 1:
+            raise ValueError(f"Recipe.amax_history_len={self.amax_history_len}; must be >= 1")
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.format == "bf16"
+
+    @property
+    def needs_rng(self) -> bool:
+        """True when the GEMM draws random bits (stochastic rounding) and so needs a key."""
+        return self.format == "nvfp4" and self.sr_gradients
+
+    @property
+    def fp8_delayed(self) -> bool:
+        """True when the recipe carries amax-history state between steps."""
+        return self.format == "fp8" and self.fp8_scaling == "delayed"
+
+
+_NVFP4 = Recipe(format="nvfp4", block_size=16, two_d_weights=True, rht_wgrad=True, sr_gradients=True)
+
+RECIPES: Mapping[str, Recipe] = {
+    "": Recipe(),
+    "bf16": Recipe(),
+    "te_nvfp4": _NVFP4,
+    "te_nvfp4_no_rht": dataclasses.replace(_NVFP4, rht_wgrad=False),
+    "te_fp8_delayedscaling": Recipe(format="fp8", fp8_scaling="delayed"),
+    "te_fp8_currentscaling": Recipe(format="fp8", fp8_scaling="current"),
+    "nvfp4_no_sr": dataclasses.replace(_NVFP4, sr_gradients=False),
+    "nvfp4_1d_weights": dataclasses.replace(_NVFP4, two_d_weights=False),
+    "mxfp4": Recipe(format="mxfp4", block_size=32),
+}
+
+
+def get_recipe(flag_or_recipe: Union[str, Recipe]) -> Recipe:
+    """Returns the `Recipe` for a flag string (e.g. "te_nvfp4"), or the recipe itself.
+
+    Raises ValueError for an unknown flag, listing the valid ones.
+    """
+    if isinstance(flag_or_recipe, Recipe):
+        return flag_or_recipe
+    if isinstance(flag_or_recipe, str) and flag_or_recipe in RECIPES:
+        return RECIPES[flag_or_recipe]
+    valid = ", ".join(repr(k) for k in RECIPES)
+    raise ValueError(f"unknown quantization recipe {flag_or_recipe!r}; valid flags: {valid}")
+
+
+def recipe_name(recipe: Recipe) -> str:
+    """The flag of a recipe (backend aside), or its repr if no flag matches."""
+    for flag, r in RECIPES.items():
+        if flag and dataclasses.replace(r, backend=recipe.backend) == recipe:
+            return flag
+    return repr(recipe)
