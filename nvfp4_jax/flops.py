@@ -1,0 +1,47 @@
+"""Analytic parameter and training-FLOP counts of nvfp4_jax.model.Llama, the way MaxText counts.
+
+MaxText (`calculate_tflops_training_per_device` in `maxtext_utils.py`) counts model FLOPs, not
+hardware FLOPs: a [m, k] x [k, n] matmul is 2*m*k*n, the backward pass is twice the forward
+(so x3), norms, softmax, RoPE, the embedding lookup and rematerialisation are not counted, and the
+causal mask halves the attention products. With T = global_batch_size * seq_len tokens,
+D = base_emb_dim, F = base_mlp_dim, H/G query/key-value heads of dim K, V = vocab_size, and N
+decoder layers:
+
+    ffn       = 2 * T * D * F * 3              gate, up, down
+    qkv       = 2 * T * D * (H + 2 * G) * K    query, key, value projections
+    proj      = 2 * T * H * K * D              output projection
+    attention = 4 * T * seq_len * H * K / 2    QK^T and PV, halved by causality
+    lm_head   = 2 * T * D * V                  logits (the lookup itself is free)
+
+    training FLOPs per step = 3 * ((ffn + qkv + proj) * N + lm_head) + 3 * attention * N
+
+The first term is 6 x (matmul parameters) x tokens. Divide by the device count for MaxText's
+per-device figure, and by step time for TFLOP/s/device.
+"""
+
+from __future__ import annotations
+
+from nvfp4_jax.config import ModelConfig
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Exact number of parameters `Llama(cfg)` creates (untied embedding and LM head)."""
+    D, F, K = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.head_dim
+    H, G = cfg.base_num_query_heads, cfg.base_num_kv_heads
+    attention = D * H * K + 2 * D * G * K + H * K * D
+    mlp = 3 * D * F
+    norms = 2 * D
+    return cfg.base_num_decoder_layers * (attention + mlp + norms) + 2 * cfg.vocab_size * D + D
+
+
+def training_flops_per_step(cfg: ModelConfig, global_batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward) over the whole global batch."""
+    T = global_batch_size * seq_len
+    D, F, K = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.head_dim
+    H, G, N = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.base_num_decoder_layers
+    ffn = 2 * T * D * F * 3
+    qkv = 2 * T * D * (H + 2 * G) * K
+    proj = 2 * T * H * K * D
+    causal_attention = 4 * T * seq_len * H * K / 2
+    lm_head = 2 * T * D * cfg.vocab_size
+    return float(3 * ((ffn + qkv + proj) * N + lm_head) + 3 * causal_attention * N)
