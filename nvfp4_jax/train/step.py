@@ -1,0 +1,76 @@
+"""Pure train and eval steps: `train_step(state, batch) -> (state, metrics)`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from nvfp4_jax.train.state import TrainState
+
+# A fixed key for forward-only passes (eval): the forward pass never rounds stochastically,
+# but a quantized dot may still ask its rng stream for a key.
+_EVAL_KEY = jax.random.PRNGKey(0)
+
+
+def _variables(params, fp8_meta):
+    return {"params": params, "fp8_meta": fp8_meta} if fp8_meta else {"params": params}
+
+
+def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token loss in fp32, and the number of tokens it averages (MaxText's total_weights)."""
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxLxV.astype(jnp.float32), targets_BxL
+    )
+    total_weights = jnp.asarray(targets_BxL.size, jnp.float32)
+    return losses_BxL.sum() / total_weights, total_weights
+
+
+def make_train_step(
+    model: nn.Module, optimizer: optax.GradientTransformation, *, uses_fp8_meta: bool = True
+) -> Callable:
+    """Returns the pure step. Jit it with donated state (see loop.py).
+
+    `uses_fp8_meta=False` is for a model built without quantized dots (the BF16 tail of a run):
+    its FP8 histories pass through untouched instead of being overwritten by zero cotangents.
+    """
+
+    def loss_fn(params, fp8_meta, batch, key):
+        logits = model.apply(_variables(params, fp8_meta), batch["inputs"], rngs={"quant": key})
+        return token_cross_entropy(logits, batch["targets"])
+
+    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        (loss, total_weights), (grads, fp8_grads) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True
+        )(state.params, state.fp8_meta, batch, state.sr_key())
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # Overwrite-with-gradient: the quantized dot's VJP returns the new amax history as the
+        # cotangent of the old one.
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            fp8_meta=fp8_grads if uses_fp8_meta else state.fp8_meta,
+        )
+        metrics = {
+            "loss": loss,
+            "total_weights": total_weights,
+            "grad_norm": optax.tree.norm(grads),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module) -> Callable:
+    def eval_step(state: TrainState, batch) -> jax.Array:
+        logits = model.apply(
+            _variables(state.params, state.fp8_meta), batch["inputs"], rngs={"quant": _EVAL_KEY}
+        )
+        return token_cross_entropy(logits, batch["targets"])[0]
+
+    return eval_step
