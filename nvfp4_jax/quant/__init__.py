@@ -1,0 +1,19 @@
+"""Everything that knows FP4/FP8: formats, quantizers, Hadamard transform."""
+
+from .formats import E2M1_VALUES, e2m1_values, pack_nibbles, unpack_nibbles
+from .fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
+from .hadamard import hadamard_matrix, inverse_random_hadamard_transform, random_hadamard_transform
+from .mxfp4 import MXFP4Tensor, dequantize_mxfp4, quantize_mxfp4
+from .nvfp4 import NVFP4Tensor, dequantize, nvfp4_gemm_operand, quantize_nvfp4, unpack_codes
+
+# The quantized GEMM (issue 3): recipes, the dot_general seam, its Flax module, FP8 state.
+from .dot import make_dot_general
+from .flax_dot import (
+    OVERWRITE_WITH_GRADIENT_COLLECTIONS,
+    QuantDotGeneral,
+    dot_general_factory,
+    quant_rngs,
+)
+from .fp8_delayed import init_fp8_meta
+from .recipe import RECIPES, Recipe, get_recipe
+from .te_backend import TEUnavailableError, resolve_backend

@@ -1,0 +1,85 @@
+"""MXFP4: E2M1 elements in blocks of 32 with power-of-two E8M0 scales (spec section 10).
+
+TE `pow_2_scales`, JAX's MX path and torchao's RCEIL mode: scale = 2**clamp(ceil(log2(
+amax_b / 6)), -127, 127), code = e2m1(clip(x / scale, -6, 6)); no per-tensor scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import formats as F
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP4Tensor:
+    """An MXFP4-quantized tensor (JAX pytree).
+
+    codes: uint8, two E2M1 codes per byte along `axis` (element 2i in the low nibble).
+    scales: float8_e8m0fnu, `shape` with `shape[axis]` divided by 32 (NaN when the input
+        was not finite).
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return dequantize_mxfp4(self, dtype)
+
+
+jax.tree_util.register_dataclass(
+    MXFP4Tensor, data_fields=["codes", "scales"], meta_fields=["shape", "axis"]
+)
+
+
+def _ceil_log2(v: jax.Array) -> jax.Array:
+    """ceil(log2(v)) for non-negative float32 v, exactly, from the bits (0 gives -127)."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    exp = (bits >> 23).astype(jnp.int32) - 127
+    return exp + ((bits & np.uint32(0x7FFFFF)) != 0).astype(jnp.int32)
+
+
+def quantize_mxfp4(x: jax.Array, *, axis: int = -1) -> MXFP4Tensor:
+    """Quantize `x` (float32/bfloat16, any rank) to MXFP4 with 32-element blocks along `axis`.
+
+    Non-finite input gives NaN scales everywhere (dequantizes to all NaN).
+    """
+    fn = "quantize_mxfp4"
+    F.check_float(x, fn)
+    axis = F.normalize_axis(axis, x.ndim, fn)
+    F.check_block_axis(x.shape, axis, F.MXFP4_BLOCK, fn)
+    lay = F.block_layout(x.shape, axis, F.MXFP4_BLOCK)
+    xb = x.astype(jnp.float32).reshape(lay.blocked)
+
+    amax_b_bits, amax_bits = F.block_amax_bits(xb, lay)
+    # XLA CPU flushes a subnormal amax_b / 6 to 0, giving -127 where exact math could give -126
+    # (only for amax_b < 6 * 2**-126).
+    e = _ceil_log2(F.exact_div(F.bits_to_f32(amax_b_bits), 6.0))
+    e = jnp.clip(e, F.E8M0_MIN_EXP, F.E8M0_MAX_EXP)
+    y = jnp.clip(F.mul_pow2(xb, -e), -F.E2M1_MAX, F.E2M1_MAX)  # x / 2**e, exact
+    codes = F.e2m1_rn_codes(y).reshape(x.shape)
+
+    scales = F.e8m0_from_exponent(e)
+    nan = jax.lax.bitcast_convert_type(np.uint8(0xFF), jnp.float8_e8m0fnu)
+    scales = jnp.where(F.is_nonfinite_bits(amax_bits), nan, scales)
+    return MXFP4Tensor(
+        codes=F.pack_nibbles(codes, axis),
+        scales=scales.reshape(lay.scale_shape),
+        shape=tuple(x.shape),
+        axis=axis,
+    )
+
+
+def dequantize_mxfp4(q: MXFP4Tensor, dtype=jnp.float32) -> jax.Array:
+    """e2m1_value(code) * 2**e; NaN where the scale is NaN."""
+    lay = F.block_layout(q.shape, q.axis, F.MXFP4_BLOCK)
+    vals = F.e2m1_values(F.unpack_nibbles(q.codes, q.axis)).reshape(lay.blocked)
+    e = F.e8m0_exponent(q.scales).reshape(lay.keepdims)
+    x_hat = jnp.where(e > F.E8M0_MAX_EXP, jnp.float32(jnp.nan), F.mul_pow2(vals, jnp.minimum(e, 127)))
+    return x_hat.reshape(q.shape).astype(dtype)

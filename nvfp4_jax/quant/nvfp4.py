@@ -1,0 +1,238 @@
+"""NVFP4 quantization: the bit-exact reference of Transformer Engine 2.14+ (NVFP4_SPEC.md).
+
+One implementation of the math, `_quantize_codes`, serves both public forms:
+`nvfp4_gemm_operand` (unpacked bf16 values, what the emulated GEMM consumes) and
+`quantize_nvfp4` (packed E2M1 codes + E4M3 scales + amax, the storage form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import formats as F
+from .fp8 import FP8Tensor, dequantize_fp8
+from .hadamard import random_hadamard_transform
+from .mxfp4 import MXFP4Tensor, dequantize_mxfp4
+
+_ONE_SIXTH = np.float32(1.0) / np.float32(6.0)  # fl32(1/6), folded into the global multiplier
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """An NVFP4-quantized tensor (a JAX pytree; metadata fields are static).
+
+    codes:  uint8, two E2M1 codes per byte along `axis` (element 2i in the low nibble);
+            `shape` with `shape[axis]` halved.
+    scales: float8_e4m3fn block scales; 1x16: `shape` with `shape[axis]` divided by 16;
+            2D: `(M // 16, N // 16)`.
+    amax:   float32 scalar, the per-tensor amax used (after the RHT when `rht`); NaN when the
+            input was not finite.
+    shape:  the logical (unpacked) shape. axis: the packing/block axis (non-negative; the last
+            axis for 2D). two_d: 16x16 tiles. rht: values are in the rotated domain.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    amax: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    two_d: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return _dequantize_nvfp4(self, dtype)
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Tensor, data_fields=["codes", "scales", "amax"], meta_fields=["shape", "axis", "two_d", "rht"]
+)
+
+
+# --- argument checks --------------------------------------------------------------------------
+
+
+def _check_args(x, axis, two_d, rht, stochastic, key, fn) -> int:
+    """Validate the arguments; return the normalized block/packing axis."""
+    F.check_float(x, fn)
+    for name, v in (("two_d", two_d), ("rht", rht), ("stochastic", stochastic)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{fn}: {name}={v!r} must be a Python bool (it is static)")
+    if stochastic and key is None:
+        raise ValueError(f"{fn}: stochastic=True requires a PRNG key; got key=None")
+    if two_d:
+        if x.ndim != 2:
+            raise ValueError(
+                f"{fn}: two_d=True takes a 2-D weight; got x of rank {x.ndim} (shape {x.shape})"
+            )
+        if rht:
+            raise ValueError(f"{fn}: rht=True is not allowed with two_d=True (2D is for weights)")
+        if x.shape[0] % F.NVFP4_BLOCK or x.shape[1] % F.NVFP4_BLOCK:
+            raise ValueError(
+                f"{fn}: two_d=True needs both dims to be multiples of {F.NVFP4_BLOCK}; "
+                f"got x.shape={x.shape}"
+            )
+        return 1
+    axis = F.normalize_axis(axis, x.ndim, fn)
+    F.check_block_axis(x.shape, axis, F.NVFP4_BLOCK, fn)
+    return axis
+
+
+def _layout(shape, axis, two_d) -> F.BlockLayout:
+    return F.block_layout(shape, axis, F.NVFP4_BLOCK, two_d)
+
+
+# --- the math (spec sections 2, 4, 6, 8) ------------------------------------------------------
+
+
+def _global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """S_enc = min(2688 / amax, FLT_MAX) (1 when amax is Inf), S_dec = 1 / S_enc."""
+    s_enc = jnp.minimum(jnp.float32(F.NVFP4_GLOBAL_SCALE) / amax, jnp.float32(F.FLT_MAX))
+    s_enc = jnp.where(jnp.isinf(amax), jnp.float32(1.0), s_enc)
+    return s_enc, jnp.float32(1.0) / s_enc
+
+
+def decode_scale(amax: jax.Array) -> jax.Array:
+    """The per-tensor decode factor amax / 2688 (a true division, see formats.exact_div)."""
+    return F.exact_div(amax.astype(jnp.float32), F.NVFP4_GLOBAL_SCALE)
+
+
+def _block_factors(s_b: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(enc_b, s_b): enc_b = min(1 / (s_b * S_dec), FLT_MAX), and s_b itself.
+
+    Both come out of one division (s_b / 1 is exact): XLA CPU fuses cheap block-level work
+    into the per-element loop and redoes it for every element, 16x over, but it will not
+    duplicate a division, so this keeps the per-block factors in their own small loop.
+    """
+    num = jnp.stack([jnp.ones_like(s_b), s_b], axis=-1)
+    den = jnp.stack([s_b * s_dec, jnp.ones_like(s_b)], axis=-1)
+    f = num / den
+    return jnp.minimum(f[..., 0], jnp.float32(F.FLT_MAX)), f[..., 1]
+
+
+def _quantize_codes(x, axis, two_d, rht, stochastic, key):
+    """Quantize to E2M1 codes and E4M3 block scales.
+
+    Returns (codes, s_b, scales, amax, lay): codes uint32 0..15 in the blocked layout,
+    s_b the float32 block scales (blocked keepdims layout, NaN everywhere when x is not
+    finite), scales the same as float8_e4m3fn in `lay.scale_shape`, amax the float32 scalar.
+    """
+    if rht:
+        x = random_hadamard_transform(x, axis)  # amax is taken after the transform
+    lay = _layout(x.shape, axis, two_d)
+    xb = x.astype(jnp.float32).reshape(lay.blocked)
+
+    # Integer max over |x| bits: exact, and NaN/Inf cannot be dropped.
+    amax_b_bits, amax_bits = F.block_amax_bits(xb, lay)
+    nonfinite = F.is_nonfinite_bits(amax_bits)
+    amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
+    amax_b = F.bits_to_f32(amax_b_bits)
+
+    s_enc, s_dec = _global_scales(amax)
+    s_b = jnp.minimum(amax_b * (s_enc * _ONE_SIXTH), jnp.float32(F.FLT_MAX))
+    s_b = jnp.where(nonfinite, jnp.float32(jnp.nan), jnp.clip(s_b, 0.0, F.E4M3_MAX))
+    scales = F.round_to_e4m3(s_b)
+    enc_b, s_b = _block_factors(F.fp8_to_f32(scales), s_dec)
+
+    y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
+    if stochastic:
+        rbits = jax.random.bits(key, x.shape, jnp.uint8).reshape(lay.blocked)
+        codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
+    else:
+        codes = F.e2m1_rn_codes(y)
+    return codes, s_b, scales.reshape(lay.scale_shape), amax, lay
+
+
+# --- public API -------------------------------------------------------------------------------
+
+
+def nvfp4_gemm_operand(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    two_d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """NVFP4-quantize `x` into the unpacked form an emulated GEMM consumes.
+
+    Returns `(values, decode_scale)`: `values` has x's shape (rotated when `rht`), bfloat16,
+    equal exactly to `e2m1_value(code) * scale_b`; `decode_scale` is the float32 scalar
+    `amax / 2688`. Bitwise, `values.astype(f32) * decode_scale ==
+    dequantize(quantize_nvfp4(x, same args))`. Non-finite input gives NaN values.
+    Arguments as for `quantize_nvfp4`.
+    """
+    axis = _check_args(x, axis, two_d, rht, stochastic, key, "nvfp4_gemm_operand")
+    codes, s_b, _, amax, _ = _quantize_codes(x, axis, two_d, rht, stochastic, key)
+    values = (F.e2m1_values(codes) * s_b).astype(jnp.bfloat16)  # exact: 2 x 4 significant bits
+    return values.reshape(x.shape), decode_scale(amax)
+
+
+def quantize_nvfp4(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    two_d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+) -> NVFP4Tensor:
+    """Quantize `x` to NVFP4 exactly as Transformer Engine 2.14+ does.
+
+    x: float32 or bfloat16, any rank. Blocks of 16 run along `axis` (1x16 scaling).
+    two_d: 16x16 tiles of a 2-D weight (axis is ignored; codes packed along the last axis).
+    rht: apply the 16-point Random Hadamard Transform along `axis` first (WGRAD operands);
+        the result stays in the rotated domain and `amax` is taken after the transform.
+    stochastic: 8-bit stochastic rounding (spec section 6) with the PRNG `key` (required).
+    A tensor containing NaN or Inf quantizes to one that dequantizes to all NaN.
+    Raises ValueError on bad shapes, dtypes or argument combinations.
+    """
+    axis = _check_args(x, axis, two_d, rht, stochastic, key, "quantize_nvfp4")
+    codes, _, scales, amax, _ = _quantize_codes(x, axis, two_d, rht, stochastic, key)
+    return NVFP4Tensor(
+        codes=F.pack_nibbles(codes.reshape(x.shape), axis),
+        scales=scales,
+        amax=amax,
+        shape=tuple(x.shape),
+        axis=axis,
+        two_d=two_d,
+        rht=rht,
+    )
+
+
+def unpack_codes(q: NVFP4Tensor) -> jax.Array:
+    """The E2M1 codes (uint8, 0..15) of `q` in its logical shape."""
+    return F.unpack_nibbles(q.codes, q.axis)
+
+
+def _dequantize_nvfp4(q: NVFP4Tensor, dtype) -> jax.Array:
+    lay = _layout(q.shape, q.axis, q.two_d)
+    vals = F.e2m1_values(unpack_codes(q)).reshape(lay.blocked)
+    s_b = F.fp8_to_f32(q.scales).reshape(lay.keepdims)
+    x_hat = (vals * s_b) * decode_scale(q.amax)  # spec section 3, in this order
+    return x_hat.reshape(q.shape).astype(dtype)
+
+
+_DEQUANTIZERS = {
+    NVFP4Tensor: _dequantize_nvfp4,
+    MXFP4Tensor: dequantize_mxfp4,
+    FP8Tensor: dequantize_fp8,
+}
+
+
+def dequantize(q, dtype=jnp.float32) -> jax.Array:
+    """Dequantize an NVFP4Tensor, MXFP4Tensor or FP8Tensor (dispatch on its type).
+
+    NVFP4 (spec section 3): e2m1_value(code) * float(scale_b) * (amax / 2688), in that order;
+    in the rotated domain when the tensor was quantized with `rht=True`.
+    """
+    fn = _DEQUANTIZERS.get(type(q))
+    if fn is None:
+        raise ValueError(
+            f"dequantize: q has type {type(q).__name__}; expected one of "
+            f"{', '.join(t.__name__ for t in _DEQUANTIZERS)}"
+        )
+    return fn(q, dtype)
