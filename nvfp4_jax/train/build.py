@@ -40,7 +40,7 @@ def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_l
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=optimizer.init(params),
-        fp8_meta=dict(variables.get("fp8_meta", {})),
+        fp8_meta={c: variables[c] for c in quant.OVERWRITE_WITH_GRADIENT_COLLECTIONS if c in variables},
         rng=run_key,
     )
 

@@ -12,8 +12,9 @@ import jax
 class TrainState:
     """`step` counts completed optimizer steps; `rng` is the run's base key (raw uint32[2]).
 
-    `fp8_meta` holds delayed-scaling FP8 amax histories (empty for stateless recipes). It is
-    updated by the overwrite-with-gradient rule, never by the optimizer.
+    `fp8_meta` maps each overwrite-with-gradient variable collection (delayed-scaling FP8 amax
+    histories: ours, or Transformer Engine's) to its variables; empty for stateless recipes. It
+    is updated by the overwrite-with-gradient rule, never by the optimizer.
     """
 
     step: jax.Array

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nvfp4_jax.quant import quant_rngs
 from nvfp4_jax.train.state import TrainState
 
 # A fixed key for forward-only passes (eval): the forward pass never rounds stochastically,
@@ -17,7 +18,8 @@ _EVAL_KEY = jax.random.PRNGKey(0)
 
 
 def _variables(params, fp8_meta):
-    return {"params": params, "fp8_meta": fp8_meta} if fp8_meta else {"params": params}
+    # fp8_meta maps each overwrite-with-gradient collection (ours, TE's) to its variables.
+    return {"params": params, **fp8_meta}
 
 
 def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -39,7 +41,7 @@ def make_train_step(
     """
 
     def loss_fn(params, fp8_meta, batch, key):
-        logits = model.apply(_variables(params, fp8_meta), batch["inputs"], rngs={"quant": key})
+        logits = model.apply(_variables(params, fp8_meta), batch["inputs"], rngs=quant_rngs(key))
         return token_cross_entropy(logits, batch["targets"])
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -69,7 +71,7 @@ def make_train_step(
 def make_eval_step(model: nn.Module) -> Callable:
     def eval_step(state: TrainState, batch) -> jax.Array:
         logits = model.apply(
-            _variables(state.params, state.fp8_meta), batch["inputs"], rngs={"quant": _EVAL_KEY}
+            _variables(state.params, state.fp8_meta), batch["inputs"], rngs=quant_rngs(_EVAL_KEY)
         )
         return token_cross_entropy(logits, batch["targets"])[0]
 
