@@ -122,7 +122,9 @@ def make_dot_general(
         k, n = _check_dense(lhs, rhs, dimension_numbers, name)
         tokens = math.prod(lhs.shape[:-1])
         _check_blocks(recipe, name, tokens=tokens, k=k, n=n)
-        out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+        out_dtype = jnp.dtype(
+            jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
+        )
         static = _Static(recipe, operand, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
         y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta)
         return y.reshape(*lhs.shape[:-1], n)
@@ -132,10 +134,15 @@ def make_dot_general(
 
 def _check_dense(lhs, rhs, dimension_numbers, name: str) -> tuple[int, int]:
     supported = f"(((lhs.ndim - 1,), (0,)), ((), ())) = ((({lhs.ndim - 1},), (0,)), ((), ()))"
+    def normalize(dims, ndim):
+        dims = tuple(int(d) for d in dims)
+        if any(not -ndim <= d < ndim for d in dims):
+            raise ValueError
+        return tuple(d % ndim for d in dims)
+
     try:
         (lc, rc), (lb, rb) = dimension_numbers
-        lc = tuple(int(d) % lhs.ndim for d in lc)
-        rc = tuple(int(d) % rhs.ndim for d in rc)
+        lc, rc = normalize(lc, lhs.ndim), normalize(rc, rhs.ndim)
         lb, rb = tuple(lb), tuple(rb)
     except (TypeError, ValueError, ZeroDivisionError):
         lc = rc = lb = rb = None

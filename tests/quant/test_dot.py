@@ -126,6 +126,12 @@ def test_dtypes_follow_the_inputs(xwg):
     y, dx, dw = _fwd_bwd_jit("te_nvfp4", KEY, x.astype(jnp.bfloat16), w, g)
     # lhs bf16, rhs fp32: output the promoted type (as lax.dot_general), each cotangent its primal's.
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
+    # preferred_element_type wins, whatever object spells the dtype (np.dtype is falsy).
+    dot = make_dot_general("te_nvfp4", KEY)
+    bx, bw = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    for pref in (np.dtype("float32"), jnp.float32, "float32"):
+        assert jax.eval_shape(lambda a, b: dot(a, b, DIMS, preferred_element_type=pref), bx, bw).dtype == jnp.float32
+    assert jax.eval_shape(lambda a, b: dot(a, b, DIMS), bx, bw).dtype == jnp.bfloat16
 
 
 # --- what every dot inside the custom VJP sees ------------------------------------------------
@@ -422,6 +428,7 @@ def test_nonfinite_input_gives_nan_output(xwg):
         ((2, 32, 64), (2, 64, 32), (((2,), (1,)), ((0,), (0,)))),  # batch dims
         ((32, 64), (32, 64), (((1,), (1,)), ((), ()))),  # rhs contracts its last dim
         ((64, 32), (64, 32), (((0,), (0,)), ((), ()))),  # lhs contracts its first dim
+        ((32, 64), (64, 32), (((5,), (0,)), ((), ()))),  # out of range
         ((32, 64), (64, 32), "nonsense"),
     ],
 )
