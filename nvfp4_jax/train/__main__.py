@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # mesh errors are found once the devices are known
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    print(format_summary(summary), flush=True)
+    import jax
+
+    if jax.process_index() == 0:
+        print(format_summary(summary), flush=True)
     return 0
 
 

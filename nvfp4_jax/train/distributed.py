@@ -38,5 +38,7 @@ def maybe_initialize(mesh_cfg: MeshConfig) -> bool:
         kwargs["num_processes"] = mesh_cfg.num_processes
     if mesh_cfg.process_id >= 0:
         kwargs["process_id"] = mesh_cfg.process_id
+    # CPU processes need a collectives library to talk to each other (GPUs use NCCL).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     return True

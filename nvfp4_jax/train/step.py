@@ -12,10 +12,6 @@ import optax
 from nvfp4_jax.quant import quant_rngs
 from nvfp4_jax.train.state import TrainState
 
-# A fixed key for forward-only passes (eval): the forward pass never rounds stochastically,
-# but a quantized dot may still ask its rng stream for a key.
-_EVAL_KEY = jax.random.PRNGKey(0)
-
 
 def _variables(params, fp8_meta):
     # fp8_meta maps each overwrite-with-gradient collection (ours, TE's) to its variables.
@@ -70,8 +66,10 @@ def make_train_step(
 
 def make_eval_step(model: nn.Module) -> Callable:
     def eval_step(state: TrainState, batch) -> jax.Array:
+        # The forward pass never rounds stochastically, but a quantized dot may still ask its
+        # rng stream for a key: any fixed one will do.
         logits = model.apply(
-            _variables(state.params, state.fp8_meta), batch["inputs"], rngs=quant_rngs(_EVAL_KEY)
+            _variables(state.params, state.fp8_meta), batch["inputs"], rngs=quant_rngs(state.rng)
         )
         return token_cross_entropy(logits, batch["targets"])[0]
 
