@@ -105,3 +105,27 @@ def test_loss_trajectory_is_the_same_on_1_2x4_and_8_devices(tmp_path):
         # Later steps start from gradients summed across devices in another order (fp32); FP4
         # rounding amplifies those last-bit differences a little.
         np.testing.assert_allclose(trajectories[name][1:], first[1:], rtol=5e-3, err_msg=name)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
+    from nvfp4_jax.train import checkpoint
+    from nvfp4_jax.train.build import build_model, init_state, state_shardings
+    from nvfp4_jax.train.optimizer import make_optimizer
+
+    cfg = load_config(TINY[:3] + ["quantization=te_fp8_delayedscaling"])
+    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
+    mesh8 = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=8))
+    state, _ = init_state(model, optimizer, 64, mesh8, seed=0)
+    kernel = state.params["layers_0"]["mlp"]["gate"]["kernel"]
+    assert len(kernel.sharding.device_set) == 8 and kernel.sharding.spec[0] == "fsdp"
+    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=1)
+    checkpoint.save(manager, state, {"step": 0})
+
+    mesh24 = sharding.make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=4))
+    abstract, _ = state_shardings(model, optimizer, 64, mesh24)
+    restored, _ = checkpoint.restore(manager, abstract)
+    got = restored.params["layers_0"]["mlp"]["gate"]["kernel"]
+    assert got.sharding.mesh.shape == {"data": 2, "fsdp": 4}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

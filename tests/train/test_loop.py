@@ -115,3 +115,13 @@ def test_cli_rejects_bad_config_before_compiling(tmp_path):
     assert out.returncode == 2
     assert "quantization='te_nvfp5'" in out.stderr and "te_nvfp4" in out.stderr
     assert not os.path.exists(os.path.join(tmp_path, "runs"))
+
+
+@pytest.mark.slow
+def test_xplane_profile_is_written(tmp_path):
+    cfg = _config(tmp_path, "quantization=te_nvfp4", "steps=3", "profiler=xplane", "profile_start_step=1",
+                  "profile_steps=1", "enable_checkpointing=false", "eval_interval=1000")
+    run(cfg, progress=False, devices=ONE_DEVICE)
+    traces = [os.path.join(root, f) for root, _, files in os.walk(os.path.join(tmp_path, "run", "profile"))
+              for f in files if f.endswith(".xplane.pb")]
+    assert traces and os.path.getsize(traces[0]) > 0
