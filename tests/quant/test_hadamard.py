@@ -67,7 +67,7 @@ def test_transform_gaussian_bf16_rounding():
 def test_axes():
     x = jax.random.normal(jax.random.key(2), (32, 64), jnp.float32)
     np.testing.assert_array_equal(rht_jit(x, 0), rht_jit(x.T, -1).T)
-    x3 = jax.random.normal(jax.random.key(3), (2, 32, 16), jnp.float32)
+    x3 = jax.random.normal(jax.random.key(3), (2, 32, 4), jnp.float32)
     want = jnp.moveaxis(rht_jit(jnp.moveaxis(x3, 1, 2), -1), 2, 1)
     np.testing.assert_array_equal(rht_jit(x3, 1), want)
 
@@ -94,19 +94,19 @@ def test_wgrad_transform_cancels():
 
 
 def test_quantize_rht_takes_amax_after_transform():
-    x = np.zeros((16, 32), np.float32)
-    x[:, 0] = 1.0  # ones: y_j = sum_k s_k H[k, j] / 4, e.g. y_0 = (6 - 10) / 4 = -1
+    x = np.zeros((32, 64), np.float32)
+    x[:16, 0] = 1.0  # ones: y_j = sum_k s_k H[k, j] / 4, e.g. y_0 = (6 - 10) / 4 = -1
     x[0, 1] = 8.0  # a spike of 8 spreads to 8 * R[0, j] = +-2 along its 16-vector
     xj = jnp.asarray(x)
     q = jax.jit(quantize_nvfp4, static_argnames=("axis", "rht"))(xj, axis=0, rht=True)
     y = np.asarray(rht_jit(xj, 0).astype(jnp.float32))
-    assert y[0, 0] == -1.0 and (np.abs(y[:, 1]) == 2.0).all()
+    assert y[0, 0] == -1.0 and (np.abs(y[:16, 1]) == 2.0).all()
     assert float(q.amax) == np.abs(y).max() == 2.0 and q.rht
     assert np.abs(x).max() == 8.0
     # The quantized tensor is in the rotated domain: it equals quantizing the rotated input.
-    q_ref = quantize_nvfp4(jnp.asarray(y), axis=0)
+    q_ref = jax.jit(quantize_nvfp4, static_argnames="axis")(jnp.asarray(y), axis=0)
     np.testing.assert_array_equal(q.codes, q_ref.codes)
-    np.testing.assert_array_equal(dequantize(q), dequantize(q_ref))
+    np.testing.assert_array_equal(jax.jit(dequantize)(q), jax.jit(dequantize)(q_ref))
 
 
 def test_rht_error_message():
