@@ -49,40 +49,15 @@ def _f32(bits: jax.Array) -> jax.Array:
 # --- exact scalar helpers ---------------------------------------------------------------------
 
 
-@jax.custom_batching.custom_vmap
-def _div_no_reciprocal(a: jax.Array, b: jax.Array) -> jax.Array:
-    return a / lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
-
-
-@_div_no_reciprocal.def_vmap
-def _div_no_reciprocal_vmap(axis_size, in_batched, a, b):
-    # Broadcast the divisor in the batched shape, behind the barrier.
-    a_batched, b_batched = in_batched
-    if not a_batched:
-        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-    if b_batched:
-        b = b.reshape(b.shape + (1,) * (a.ndim - b.ndim))
-    return _div_no_reciprocal(a, jnp.broadcast_to(b, a.shape)), True
-
-
-@jax.custom_jvp
 def exact_div(a: jax.Array, b) -> jax.Array:
     """`a / b` rounded once, as IEEE division; `b` a scalar.
 
     XLA rewrites `A / broadcast(B)` and `A / constant` into `A * (1 / B)` (two roundings), even
-    for non-constant scalars and even eagerly. Hiding the broadcast divisor behind an
-    optimization barrier keeps a true division; a custom vmap rule keeps it so under `vmap`.
+    for non-constant scalars and even eagerly. A divisor computed from `a` is neither (and stays
+    so under `vmap`): b + min(|a|, 0) is exactly b for every non-NaN a (NaN / b is NaN anyway).
     """
     a = jnp.asarray(a)
-    return _div_no_reciprocal(a, jnp.asarray(b, a.dtype))
-
-
-@exact_div.defjvp
-def _exact_div_jvp(primals, tangents):
-    a, b = primals
-    da, db = tangents
-    out = exact_div(a, b)
-    return out, da / b - out * db / b
+    return a / (jnp.asarray(b, a.dtype) + jnp.minimum(jnp.abs(a), 0))
 
 
 def abs_bits(x: jax.Array) -> jax.Array:

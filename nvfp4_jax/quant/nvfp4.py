@@ -115,7 +115,7 @@ def _block_factors(s_b: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Arr
 def _quantize_codes(x, axis, two_d, rht, stochastic, key):
     """Quantize to E2M1 codes and E4M3 block scales.
 
-    Returns (codes, s_b, scales, amax, lay): codes uint32 0..15 in the blocked layout,
+    Returns (codes, s_b, scales, amax): codes uint32 0..15 in the blocked layout,
     s_b the float32 block scales (blocked keepdims layout, NaN everywhere when x is not
     finite), scales the same as float8_e4m3fn in `lay.scale_shape`, amax the float32 scalar.
     """
@@ -142,7 +142,7 @@ def _quantize_codes(x, axis, two_d, rht, stochastic, key):
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
-    return codes, s_b, scales.reshape(lay.scale_shape), amax, lay
+    return codes, s_b, scales.reshape(lay.scale_shape), amax
 
 
 # --- public API -------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def nvfp4_gemm_operand(
     Arguments as for `quantize_nvfp4`.
     """
     axis = _check_args(x, axis, two_d, rht, stochastic, key, "nvfp4_gemm_operand")
-    codes, s_b, _, amax, _ = _quantize_codes(x, axis, two_d, rht, stochastic, key)
+    codes, s_b, _, amax = _quantize_codes(x, axis, two_d, rht, stochastic, key)
     values = (F.e2m1_values(codes) * s_b).astype(jnp.bfloat16)  # exact: 2 x 4 significant bits
     return values.reshape(x.shape), decode_scale(amax)
 
@@ -191,7 +191,7 @@ def quantize_nvfp4(
     Raises ValueError on bad shapes, dtypes or argument combinations.
     """
     axis = _check_args(x, axis, two_d, rht, stochastic, key, "quantize_nvfp4")
-    codes, _, scales, amax, _ = _quantize_codes(x, axis, two_d, rht, stochastic, key)
+    codes, _, scales, amax = _quantize_codes(x, axis, two_d, rht, stochastic, key)
     return NVFP4Tensor(
         codes=F.pack_nibbles(codes.reshape(x.shape), axis),
         scales=scales,
