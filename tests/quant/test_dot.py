@@ -161,7 +161,7 @@ def _record_dots(fn, *args):
                 if eqn.primitive.name == "dot_general":
                     operands.append(ins)
                     meta.append((eqn.params["dimension_numbers"], eqn.params["preferred_element_type"]))
-                outs = eqn.primitive.bind(*ins, **eqn.params)
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
                 outs = outs if eqn.primitive.multiple_results else [outs]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
