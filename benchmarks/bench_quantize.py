@@ -5,7 +5,9 @@
 Times (jitted, median of repeats, interleaved so that load from other processes hits every
 case alike) NVFP4 1x16 RN / 1x16 SR / 2D / RHT, the unpacked GEMM operand, MXFP4, for float32
 and bfloat16 inputs, plus `x.copy()`. Prints a table and writes JSON with the GB/s of input
-read and the ratio to the copy's GB/s for the same dtype.
+read and the ratio to the copy's GB/s for the same dtype. Two reference rows: a read-only pass
+(the tensor amax: what reading x once costs) and a straightforward jnp 1x16 RN quantizer
+(float max-reductions, a division per element, comparison-sum rounding, strided packing).
 """
 
 from __future__ import annotations
@@ -29,9 +31,24 @@ from nvfp4_jax.quant import nvfp4_gemm_operand, quantize_mxfp4, quantize_nvfp4  
 OUT = Path(__file__).resolve().parent / "results" / "quantize.json"
 
 
+def _naive_nvfp4(x):
+    """The straightforward jnp transcription of spec section 2 (numerically close, not exact)."""
+    xb = x.astype(jnp.float32).reshape(x.shape[0], -1, 16)
+    amax_b = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    s_enc = 2688.0 / jnp.max(amax_b)
+    s_b = jnp.clip(amax_b * (s_enc / 6), 0, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    y = jnp.clip(xb / (s_b / s_enc), -6, 6)
+    a = jnp.abs(y)
+    idx = sum((a > t).astype(jnp.uint8) for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
+    codes = (idx | jnp.where(y < 0, 8, 0).astype(jnp.uint8)).reshape(x.shape)
+    return codes[:, ::2] | (codes[:, 1::2] << 4), s_b.astype(jnp.float8_e4m3fn)
+
+
 def _cases(key):
     return {
         "copy": lambda x: x.copy(),
+        "read-only pass (amax)": lambda x: jnp.max(jnp.abs(x)),
+        "naive jnp 1x16 RN": _naive_nvfp4,
         "nvfp4 1x16 RN": lambda x: quantize_nvfp4(x),
         "nvfp4 1x16 SR": lambda x: quantize_nvfp4(x, stochastic=True, key=key),
         "nvfp4 2D": lambda x: quantize_nvfp4(x, two_d=True),
@@ -82,10 +99,10 @@ def main(argv=None) -> dict:
                 )
             )
 
-    print(f"{'case':22s} {'dtype':9s} {'median ms':>10s} {'min ms':>8s} {'GB/s in':>8s} {'/copy':>6s}")
+    print(f"{'case':24s} {'dtype':9s} {'median ms':>10s} {'min ms':>8s} {'GB/s in':>8s} {'/copy':>6s}")
     for r in rows:
         print(
-            f"{r['case']:22s} {r['dtype']:9s} {r['median_ms']:10.2f} {r['min_ms']:8.2f} "
+            f"{r['case']:24s} {r['dtype']:9s} {r['median_ms']:10.2f} {r['min_ms']:8.2f} "
             f"{r['input_GBps']:8.2f} {r['ratio_to_copy']:6.2f}"
         )
     result = dict(

@@ -292,10 +292,15 @@ def block_layout(shape: tuple[int, ...], axis: int, block: int, two_d: bool = Fa
 def block_amax_bits(xb: jax.Array, lay: BlockLayout) -> tuple[jax.Array, jax.Array]:
     """(per-block amax bits in `lay.keepdims`, tensor amax bits) of a blocked float32 array.
 
-    The barrier makes the tensor amax a max over the small block-amax array: without it XLA
-    rewrites max(max_block(x)) into a reduce-window over a materialized copy of |x|.
+    XLA CPU vectorizes a 16-wide reduction along the minor axis poorly: taking the max of the
+    two halves elementwise first runs ~2x faster (XLA merges a reduce-of-a-reduce back into
+    one, but not this). The barrier makes the tensor amax a max over the small block-amax
+    array: without it XLA rewrote max(max_block(x)) into a reduce-window over a materialized
+    copy of |x|.
     """
-    amax_b_bits = lax.optimization_barrier(
-        jnp.max(abs_bits(xb), axis=lay.reduce_axes, keepdims=True)
-    )
+    bits = abs_bits(xb)
+    if lay.reduce_axes[-1] == bits.ndim - 1:
+        halves = bits.reshape(bits.shape[:-1] + (2, bits.shape[-1] // 2))
+        bits = jnp.maximum(halves[..., 0, :], halves[..., 1, :])
+    amax_b_bits = lax.optimization_barrier(jnp.max(bits, axis=lay.reduce_axes, keepdims=True))
     return amax_b_bits, jnp.max(amax_b_bits)
