@@ -18,7 +18,6 @@ from jax import lax
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
-E4M3_MIN_SUBNORMAL = 2.0**-9
 FLT_MAX = float(np.finfo(np.float32).max)
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
@@ -33,7 +32,6 @@ E2M1_VALUES = np.array(
     dtype=np.float32,
 )
 
-_SIGN_BIT = np.uint32(0x80000000)
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _F32_INF_BITS = np.uint32(0x7F800000)
 
@@ -114,7 +112,7 @@ def e2m1_rn_codes(y: jax.Array) -> jax.Array:
     for |y| >= 1, adding 0x1FFFFF plus the kept bit rounds the significand to one bit (RNE),
     the carry running into the exponent (1.75 -> 2), and bits >> 22 is then 2 * exp + mantissa
     (1.0 -> 254). Below 1 the codes are 0 (0), 1 (0.5), 2 (1.0). The sign is kept, so a
-    negative value that rounds to zero gives code 0x8 (-0), as the hardware does.
+    negative value that rounds to zero gives code 0x8 (-0), as a float4 cast does.
     """
     bits = _u32(y)
     mag = bits & _ABS_MASK
