@@ -138,7 +138,7 @@ def _quantize_codes(x, axis, two_d, rht, stochastic, key):
 
     y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
     if stochastic:
-        rbits = jax.random.bits(key, x.shape, jnp.uint8).reshape(lay.blocked)
+        rbits = F.stochastic_rounding_bits(key, x.shape).reshape(lay.blocked)
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
