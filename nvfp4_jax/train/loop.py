@@ -120,6 +120,9 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     )
     writer = metrics_lib.MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_lead else None
     start = int(jax.device_get(state.step))
+    if start >= t.steps and is_lead:
+        print(f"The run in {run_dir} is already at step {start} of steps={t.steps}: nothing to train. "
+              "Raise steps=... to continue it, or pick a new run_name=...", flush=True)
     bar = metrics_lib.progress_bar(start, t.steps, progress) if is_lead else None
     history: list[dict[str, Any]] = []
     eval_losses: list[tuple[int, float]] = []
