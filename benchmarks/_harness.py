@@ -1,0 +1,130 @@
+"""What the train-step benchmarks share: one compiled train step, timed one call at a time.
+
+The step is the package's own (`make_optimizer`, `init_state`, `make_train_step`), jitted with
+the state's shardings and donated state as `nvfp4_jax/train/loop.py` does; only the model (and
+so its dot_generals) varies. Each case steps on one fixed synthetic batch, so data loading is
+not timed.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh
+
+from nvfp4_jax import data as data_lib
+from nvfp4_jax import sharding
+from nvfp4_jax.config import Config
+from nvfp4_jax.train.build import init_state
+from nvfp4_jax.train.optimizer import make_optimizer
+from nvfp4_jax.train.step import make_train_step
+
+
+def package_revision() -> str:
+    """The git commit the package was measured at, `+dirty` when nvfp4_jax/ has local changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        return (rev + "+dirty" if git("status", "--porcelain", "--", "nvfp4_jax") else rev) or "unknown"
+    except OSError:
+        return "unknown"
+
+
+class StepCase:
+    """The train step of `model` on `mesh`, its own state, and the step times it has recorded."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, model: nn.Module):
+        optimizer = make_optimizer(cfg.train)
+        seq = cfg.model.max_target_length
+        self.state, state_sh = init_state(model, optimizer, seq, mesh, cfg.train.seed)
+        batch_sh = sharding.batch_sharding(mesh)
+        self.step = jax.jit(
+            make_train_step(model, optimizer),
+            in_shardings=(state_sh, batch_sh),
+            out_shardings=(state_sh, sharding.replicated(mesh)),
+            donate_argnums=0,
+        )
+        dataset = data_lib.make_dataset(
+            cfg.data, seq_len=seq, global_batch_size=cfg.train.per_device_batch_size * mesh.devices.size,
+            seed=cfg.train.seed, split="train", vocab_size=cfg.model.vocab_size,
+        )
+        self.batch = jax.device_put(dataset.batch(0), batch_sh)
+        self.times: list[float] = []
+        self.first_step_s: float | None = None
+        self.loss: float | None = None
+
+    def run(self, record: bool = True) -> None:
+        """One step, waited for; its wall time is recorded when `record`."""
+        t0 = time.perf_counter()
+        self.state, metrics = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        dt = time.perf_counter() - t0
+        if self.first_step_s is None:
+            self.first_step_s = dt
+        if record:
+            self.times.append(dt)
+        self.loss = float(metrics["loss"])
+
+
+def interleaved(cases: Sequence[StepCase], warmup: int, repeats: int) -> None:
+    """`warmup` untimed steps of each case (the first compiles), then `repeats` timed rounds.
+
+    Every round runs one step of each case, starting one case later than the round before, so
+    load from other processes hits every case alike.
+    """
+    for _ in range(warmup):
+        for case in cases:
+            case.run(record=False)
+    for r in range(repeats):
+        k = r % len(cases)
+        for case in list(cases[k:]) + list(cases[:k]):
+            case.run()
+
+
+def traced_ops(case: StepCase, steps: int) -> list[tuple[str, str, float]]:
+    """(hlo_op, device_ordinal, microseconds) of every op XLA:CPU ran in `steps` more steps.
+
+    From `jax.profiler.trace(create_perfetto_trace=True)`: the CPU runtime writes one event per
+    executed HLO op, with `hlo_op` and `device_ordinal` in its args. Ops on one device may run
+    concurrently, so their sum can exceed the wall time. Raises RuntimeError when the trace has
+    no such events (another backend or jax version), rather than returning made-up numbers.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(steps):
+                case.run(record=False)
+        paths = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+        if not paths:
+            raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {tmp}")
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    ops = [
+        (e["args"]["hlo_op"], str(e["args"].get("device_ordinal")), float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})
+    ]
+    if not ops:
+        raise RuntimeError("the profiler trace holds no per-op events (no 'hlo_op' args)")
+    return ops
+
+
+def hlo_op_names(case: StepCase) -> dict[str, str]:
+    """Compiled HLO instruction name -> the JAX op_name in its metadata (its source path)."""
+    text = case.step.lower(case.state, case.batch).compile().as_text()
+    pattern = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]+)"')
+    return {m.group(1): m.group(2) for m in map(pattern.match, text.splitlines()) if m}
