@@ -25,9 +25,8 @@ from jax.sharding import Mesh
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
 from nvfp4_jax.config import Config
-from nvfp4_jax.train.build import init_state
+from nvfp4_jax.train.build import init_state, jit_train_step
 from nvfp4_jax.train.optimizer import make_optimizer
-from nvfp4_jax.train.step import make_train_step
 
 
 def package_revision() -> str:
@@ -52,12 +51,7 @@ class StepCase:
         seq = cfg.model.max_target_length
         self.state, state_sh = init_state(model, optimizer, seq, mesh, cfg.train.seed)
         batch_sh = sharding.batch_sharding(mesh)
-        self.step = jax.jit(
-            make_train_step(model, optimizer),
-            in_shardings=(state_sh, batch_sh),
-            out_shardings=(state_sh, sharding.replicated(mesh)),
-            donate_argnums=0,
-        )
+        self.step = jit_train_step(model, optimizer, mesh, state_sh)
         dataset = data_lib.make_dataset(
             cfg.data, seq_len=seq, global_batch_size=cfg.train.per_device_batch_size * mesh.devices.size,
             seed=cfg.train.seed, split="train", vocab_size=cfg.model.vocab_size,

@@ -12,15 +12,12 @@ timed. After `--warmup` untimed steps (the first compiles), every repeat runs on
 case in turn, so load from other processes hits every case alike; a case's time is the median
 over repeats.
 
-Two diagnostic cases (off with `--no-diagnostics`) say where the time goes:
+A diagnostic case (off with `--no-diagnostics`) says where the time goes:
 
 - `te_nvfp4 (identity quantizer)`: te_nvfp4's custom-VJP GEMMs with the quantizer replaced by a
   cast to bf16 (same three GEMMs per projection, bf16 operands, fp32 accumulation; no
   quantization, RHT or stochastic rounding). bf16 -> identity is the GEMM structure,
   identity -> te_nvfp4_no_rht the quantization, te_nvfp4_no_rht -> te_nvfp4 the RHT.
-- `bf16 (f32-output dots)`: the bf16 model whose projections ask `lax.dot_general` for fp32
-  output (`preferred_element_type`) and cast back, which XLA:CPU runs as a native bf16 GEMM
-  instead of converting both operands to fp32 first.
 
 `--profile` cases also get their op time split by category (quantized GEMMs, the quantizer's
 random bits, the rest of the quantizer, the rest of forward and backward) from a `jax.profiler`
@@ -43,7 +40,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
@@ -58,7 +54,6 @@ from nvfp4_jax.train.build import build_model  # noqa: E402
 OUT = Path(__file__).resolve().parent / "results" / "step.json"
 RECIPES = ("bf16", "te_fp8_delayedscaling", "te_nvfp4_no_rht", "te_nvfp4")
 IDENTITY = "te_nvfp4 (identity quantizer)"
-BF16_F32 = "bf16 (f32-output dots)"
 GOAL_RATIO = 1.5  # issue 4: emulated te_nvfp4 step within 1.5x of the bf16 step
 
 
@@ -76,19 +71,6 @@ def _identity_model(cfg: Config) -> Llama:
         return make_dot_general(recipe, jax.random.PRNGKey(0), nvfp4_operand=_identity_operand)
 
     return Llama(cfg.model, mlp_dot_general_cls=factory)
-
-
-def _f32_output_dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """`lax.dot_general` asking for fp32 output from bf16 operands (the caller casts back)."""
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type or jnp.float32)
-
-
-def _f32_output_model(cfg: Config) -> Llama:
-    def factory():
-        return _f32_output_dot
-
-    return Llama(cfg.model, mlp_dot_general_cls=factory, attention_dot_general_cls=factory)
 
 
 def _op_category(op_name: str, hlo_op: str) -> str:
@@ -129,15 +111,13 @@ def bench_preset(preset: str, batch: int, seq: int, cases: list[str], warmup: in
     mesh = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=1), devices=jax.devices()[:1])
     built: dict[str, StepCase] = {}
     for name in cases:
-        flag = {IDENTITY: "te_nvfp4", BF16_F32: "bf16"}.get(name, name)
+        flag = {IDENTITY: "te_nvfp4"}.get(name, name)
         cfg = make_config({
             "model_name": preset, "quantization": flag, "per_device_batch_size": batch,
             "max_target_length": seq, "dataset_type": "synthetic", "steps": 10_000,
         })
         if name == IDENTITY:
             model = _identity_model(cfg)
-        elif name == BF16_F32:
-            model = _f32_output_model(cfg)
         else:
             model = build_model(cfg.model)
         built[name] = StepCase(cfg, mesh, model)
@@ -229,7 +209,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--recipes", default=",".join(RECIPES),
                     help="comma-separated quantization flags (bf16 first for the ratios)")
     ap.add_argument("--no-diagnostics", action="store_true",
-                    help="skip the identity-quantizer and f32-output-dot cases")
+                    help="skip the identity-quantizer case")
     ap.add_argument("--tiny-batch", type=int, default=8)
     ap.add_argument("--tiny-seq", type=int, default=128)
     ap.add_argument("--tiny-repeats", type=int, default=30)
@@ -246,7 +226,6 @@ def main(argv=None) -> dict:
     cases = [r for r in args.recipes.split(",") if r]
     if not args.no_diagnostics:
         cases += [IDENTITY] if "te_nvfp4" in cases else []
-        cases += [BF16_F32] if "bf16" in cases else []
     shapes = {
         "tiny": (args.tiny_batch, args.tiny_seq, args.tiny_repeats),
         "small-25m": (args.small_batch, args.small_seq, args.small_repeats),

@@ -9,6 +9,8 @@ cross-device max itself: a sharded run quantizes bit-identically to a single-dev
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Sequence
 
@@ -22,7 +24,6 @@ MESH_AXES = ("data", "fsdp")
 
 # Logical axis -> mesh axis (None: replicated). One table for every parameter and activation.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
     ("vocab", None),
     ("mlp", None),
@@ -32,6 +33,14 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("q_heads_x_dim", None),
     ("kv_heads_x_dim", None),
     ("norm", None),
+    # Activations: split over the batch only (FSDP gathers weights, never activations).
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_mlp", None),
+    ("activation_heads", None),
+    ("activation_kv", None),
+    ("activation_vocab", None),
 )
 
 
@@ -95,3 +104,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh):
+    """Binds the model's logical activation constraints to `mesh` while a function is traced."""
+    import flax.linen as nn
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+        yield
+
+
+def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
+    """`jax.jit(fn, **jit_kwargs)`, called (and so traced) under `activation_sharding(mesh)`.
+
+    The mesh is set around the call, not inside the traced function: `jax.set_mesh` may not be
+    entered under `jit`.
+    """
+    jitted = jax.jit(fn, **jit_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args):
+        with activation_sharding(mesh):
+            return jitted(*args)
+
+    return call

@@ -30,6 +30,27 @@ PARAM_AXES = {
     "norm": "RMSNorm scale, D",
 }
 
+# Logical axis names of activations; nvfp4_jax.sharding maps them (outside a mesh they are no-ops).
+ACTIVATION_AXES = {
+    "activation_batch": "batch, B",
+    "activation_length": "sequence, L",
+    "activation_embed": "model width of activations, D",
+    "activation_mlp": "MLP hidden width of activations, F",
+    "activation_heads": "attention heads of activations, H or G",
+    "activation_kv": "head dim of activations, K",
+    "activation_vocab": "logits' vocabulary axis, V",
+}
+BLD = ("activation_batch", "activation_length", "activation_embed")
+BLF = ("activation_batch", "activation_length", "activation_mlp")
+BLHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+BLV = ("activation_batch", "activation_length", "activation_vocab")
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+    """Pins an activation's sharding by logical axis names (FSDP keeps activations batch-split)."""
+    return nn.with_logical_constraint(x, logical_axes)
+
+
 _kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
@@ -53,13 +74,13 @@ class Dense(nn.Module):
         )
         dot_general = self.dot_general_cls() if self.dot_general_cls else jax.lax.dot_general
         dims = (((x_BxLxK.ndim - 1,), (0,)), ((), ()))
-        x_BxLxK = x_BxLxK.astype(self.dtype)
-        kernel_KxN = kernel_KxN.astype(self.dtype)
-        if self.preferred_element_type is not None:
-            return dot_general(
-                x_BxLxK, kernel_KxN, dims, preferred_element_type=self.preferred_element_type
-            )
-        return dot_general(x_BxLxK, kernel_KxN, dims).astype(self.dtype)
+        # Ask every dot for fp32 output (fp32 accumulation, rounded once to the output dtype);
+        # on CPU a bf16-output dot is also about 2x slower.
+        y_BxLxN = dot_general(
+            x_BxLxK.astype(self.dtype), kernel_KxN.astype(self.dtype), dims,
+            preferred_element_type=jnp.float32,
+        )
+        return y_BxLxN.astype(self.preferred_element_type or self.dtype)
 
 
 class Embed(nn.Module):
@@ -77,7 +98,7 @@ class Embed(nn.Module):
             (self.vocab_size, self.features),
             jnp.float32,
         )
-        return jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(self.dtype)
+        return constrain(jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(self.dtype), BLD)
 
 
 class RMSNorm(nn.Module):
@@ -178,8 +199,9 @@ class Attention(nn.Module):
         v_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "value")(x_BxLxD).reshape(B, L, G, K)
         positions_L = jnp.arange(L)
         inv_freq_K2 = np.asarray(self.inv_freq)
-        q_BxLxHxK = apply_rope(q_BxLxHxK, positions_L, inv_freq_K2)
-        k_BxLxGxK = apply_rope(k_BxLxGxK, positions_L, inv_freq_K2)
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_L, inv_freq_K2), BLHK)
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_L, inv_freq_K2), BLHK)
+        v_BxLxGxK = constrain(v_BxLxGxK, BLHK)
         ctx_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         return dense(D, ("q_heads_x_dim", "embed"), "out")(ctx_BxLxHxK.reshape(B, L, H * K))
 
@@ -200,4 +222,5 @@ class MLP(nn.Module):
 
         gate_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "gate")(x_BxLxD)
         up_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "up")(x_BxLxD)
-        return dense(D, ("mlp", "embed"), "down")(nn.silu(gate_BxLxF) * up_BxLxF)
+        hidden_BxLxF = constrain(nn.silu(gate_BxLxF) * up_BxLxF, BLF)
+        return dense(D, ("mlp", "embed"), "down")(hidden_BxLxF)

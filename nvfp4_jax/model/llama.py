@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax.config import ModelConfig
 from nvfp4_jax.model.layers import (
-    MLP, Attention, Dense, DotGeneralFactory, Embed, RMSNorm, rope_frequencies,
+    BLD, BLV, MLP, Attention, Dense, DotGeneralFactory, Embed, RMSNorm, constrain, rope_frequencies,
 )
 
 
@@ -55,9 +55,11 @@ class DecoderLayer(nn.Module):
             cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim, tuple(inv_freq.tolist()),
             dtype, self.attention_dot_general_cls, name="attention",
         )(RMSNorm(eps, dtype, name="attention_norm")(x_BxLxD))
-        return h_BxLxD + MLP(cfg.base_mlp_dim, dtype, self.mlp_dot_general_cls, name="mlp")(
+        h_BxLxD = constrain(h_BxLxD, BLD)
+        out_BxLxD = h_BxLxD + MLP(cfg.base_mlp_dim, dtype, self.mlp_dot_general_cls, name="mlp")(
             RMSNorm(eps, dtype, name="mlp_norm")(h_BxLxD)
         )
+        return constrain(out_BxLxD, BLD)
 
 
 class Llama(nn.Module):
@@ -97,7 +99,7 @@ class Llama(nn.Module):
         """Embeddings -> fp32 logits (the model after the lookup; the causality test's entry)."""
         for layer in self.layers:
             x_BxLxD = layer(x_BxLxD)
-        return self.lm_head(self.final_norm(x_BxLxD)).astype(jnp.float32)
+        return constrain(self.lm_head(self.final_norm(x_BxLxD)).astype(jnp.float32), BLV)
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         return self.decode(self.embed(tokens_BxL))

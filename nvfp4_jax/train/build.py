@@ -16,6 +16,7 @@ from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ModelConfig
 from nvfp4_jax.model import Llama
 from nvfp4_jax.train.state import TrainState
+from nvfp4_jax.train.step import make_eval_step, make_train_step
 
 # The attention projections' recipe when `attention_quantization=fp8` (stateless FP8).
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
@@ -63,3 +64,23 @@ def init_state(model, optimizer, seq_len: int, mesh: Mesh, seed: int):
         lambda k: nn.meta.unbox(_init_boxed(model, optimizer, seq_len, k)), out_shardings=shardings
     )
     return init(jax.random.PRNGKey(seed)), shardings
+
+
+def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: bool = True):
+    """The train step, jitted with explicit shardings and donated state, traced on `mesh`."""
+    return sharding.sharded_jit(
+        make_train_step(model, optimizer, uses_fp8_meta=uses_fp8_meta),
+        mesh,
+        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def jit_eval_step(model, mesh: Mesh, state_sh):
+    return sharding.sharded_jit(
+        make_eval_step(model),
+        mesh,
+        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
+        out_shardings=sharding.replicated(mesh),
+    )

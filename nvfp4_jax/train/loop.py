@@ -23,9 +23,8 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, metrics as metrics_lib
-from nvfp4_jax.train.build import build_model, init_state, state_shardings
+from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
 from nvfp4_jax.train.optimizer import make_optimizer
-from nvfp4_jax.train.step import make_eval_step, make_train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -74,25 +73,15 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     model = build_model(m, quantized=True)
     state, state_sh = init_state(model, optimizer, m.max_target_length, mesh, t.seed)
     batch_sh = sharding.batch_sharding(mesh)
-    out_sh = sharding.replicated(mesh)
-
-    def compile_step(step_model, uses_fp8_meta: bool):
-        return jax.jit(
-            make_train_step(step_model, optimizer, uses_fp8_meta=uses_fp8_meta),
-            in_shardings=(state_sh, batch_sh),
-            out_shardings=(state_sh, out_sh),
-            donate_argnums=0,
-        )
-
-    train_step = compile_step(model, uses_fp8_meta=True)
+    train_step = jit_train_step(model, optimizer, mesh, state_sh)
     # The BF16 tail (quantization_end_step) has the same parameters; its step is traced only
     # when first used, so the switch costs one compilation.
     bf16_step = (
-        compile_step(build_model(m, quantized=False), uses_fp8_meta=False)
+        jit_train_step(build_model(m, quantized=False), optimizer, mesh, state_sh, uses_fp8_meta=False)
         if t.quantization_end_step >= 0
         else None
     )
-    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_sh, batch_sh), out_shardings=out_sh)
+    eval_step = jit_eval_step(model, mesh, state_sh)
 
     manager = None
     last_saved: int | None = None
