@@ -10,7 +10,7 @@ every case alike), median of repeats, ratio to bf16.
 Where the te_nvfp4 time goes, timed the same way:
 - `nvfp4 quantize only`: the five operand quantizations of the recipe (X, W 2D, dY SR,
   X^T RHT, dY^T RHT+SR), nothing else;
-- `  of which SR noise`: just the two `jax.random.bits(key, [T, N], uint8)` draws inside them;
+- `  of which SR noise`: just the two `stochastic_rounding_bits(key, [T, N])` draws inside them;
 - `nvfp4 GEMMs only`: the three bf16 x bf16 -> fp32 dots on ready operands, times alpha.
 """
 
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nvfp4_jax.quant import make_dot_general, nvfp4_gemm_operand  # noqa: E402
 from nvfp4_jax.quant.dot import sr_keys  # noqa: E402
+from nvfp4_jax.quant.formats import stochastic_rounding_bits  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "gemm.json"
 RECIPES = ("bf16", "te_fp8_currentscaling", "te_nvfp4_no_rht", "te_nvfp4")
@@ -63,7 +64,7 @@ def _quantize_only(key):
 
 def _sr_noise_only(key):
     def run(x, w, g):
-        return [jax.random.bits(k, g.shape, jnp.uint8) for k in sr_keys(key)]
+        return [stochastic_rounding_bits(k, g.shape) for k in sr_keys(key)]
 
     return run
 
