@@ -128,4 +128,9 @@ def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
         with activation_sharding(mesh):
             return jitted(*args)
 
+    def lower(*args):
+        with activation_sharding(mesh):
+            return jitted.lower(*args)
+
+    call.lower = lower  # for HLO inspection (benchmarks, tests)
     return call
