@@ -46,7 +46,7 @@ BLHK = ("activation_batch", "activation_length", "activation_heads", "activation
 BLV = ("activation_batch", "activation_length", "activation_vocab")
 
 
-def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """Pins an activation's sharding by logical axis names (FSDP keeps activations batch-split)."""
     return nn.with_logical_constraint(x, logical_axes)
 
@@ -98,6 +98,9 @@ class Embed(nn.Module):
             (self.vocab_size, self.features),
             jnp.float32,
         )
+        # Gather the table whole (FSDP gathers weights) so the lookup runs on this device's rows
+        # of the batch, rather than looking up embedding slices and moving activations.
+        embedding_VxD = constrain(embedding_VxD, (None, None))
         return constrain(jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(self.dtype), BLD)
 
 

@@ -129,3 +129,25 @@ def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
     assert got.sharding.mesh.shape == {"data": 2, "fsdp": 4}
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_fsdp_step_gathers_weights_not_activations():
+    import re
+
+    from nvfp4_jax.train.build import build_model, init_state, jit_train_step
+    from nvfp4_jax.train.optimizer import make_optimizer
+
+    cfg = load_config(TINY[:3] + ["quantization=te_nvfp4", "ici_fsdp_parallelism=8"])
+    mesh = sharding.make_mesh(cfg.mesh)
+    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
+    state, state_sh = init_state(model, optimizer, 64, mesh, seed=0)
+    tokens = jax.device_put(jnp.zeros((8, 64), jnp.int32), sharding.batch_sharding(mesh))
+    hlo = jit_train_step(model, optimizer, mesh, state_sh).lower(
+        state, {"inputs": tokens, "targets": tokens}).compile().as_text()
+    gathered = re.findall(r"= (f32|bf16)\[([0-9,]*)\]\S* all-gather\(", hlo)
+    param_shapes = {",".join(map(str, p.shape)) for p in jax.tree.leaves(state.params)}
+    assert gathered, "FSDP must all-gather the sharded weights"
+    # Every floating-point all-gather rebuilds a weight; activations stay split over the batch.
+    assert {shape for _, shape in gathered} <= param_shapes, gathered
+    assert " all-to-all(" not in hlo
