@@ -13,7 +13,6 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import tempfile
 import time
 from typing import Sequence
@@ -27,20 +26,6 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import Config
 from nvfp4_jax.train.build import init_state, jit_train_step
 from nvfp4_jax.train.optimizer import make_optimizer
-
-
-def package_revision() -> str:
-    """The git commit the package was measured at, `+dirty` when nvfp4_jax/ has local changes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*args):
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
-
-    try:
-        rev = git("rev-parse", "--short", "HEAD")
-        return (rev + "+dirty" if git("status", "--porcelain", "--", "nvfp4_jax") else rev) or "unknown"
-    except OSError:
-        return "unknown"
 
 
 class StepCase:

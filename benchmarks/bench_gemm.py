@@ -17,9 +17,7 @@ Where the te_nvfp4 time goes, timed the same way:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from _report import environment, write_json  # noqa: E402
 
 from nvfp4_jax.quant import make_dot_general, nvfp4_gemm_operand  # noqa: E402
 from nvfp4_jax.quant.dot import sr_keys  # noqa: E402
@@ -140,10 +140,7 @@ def main(argv=None) -> dict:
             print(f"{name:26s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio_to_bf16']:7.2f}")
     result = dict(
         repeats=args.repeats,
-        jax=jax.__version__,
-        device=str(jax.devices()[0]),
-        cpu_count=os.cpu_count(),
-        machine=platform.machine(),
+        **environment(),
         load_average_before=[round(v, 2) for v in load_before],
         load_average_after=[round(v, 2) for v in os.getloadavg()],
         note="fwd+bwd of Y = X . W with bf16 X, W, dY; emulated recipes; ratio = median / bf16's "
@@ -151,8 +148,7 @@ def main(argv=None) -> dict:
         "'SR noise' is the part of 'quantize only' spent drawing the 8-bit random numbers.",
         rows=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 

@@ -13,9 +13,6 @@ read and the ratio to the copy's GB/s for the same dtype. Two reference rows: a 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from _report import environment, write_json  # noqa: E402
 
 from nvfp4_jax.quant import nvfp4_gemm_operand, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 
@@ -108,16 +107,12 @@ def main(argv=None) -> dict:
     result = dict(
         shape=[args.size, args.size],
         repeats=args.repeats,
-        jax=jax.__version__,
-        device=str(jax.devices()[0]),
-        cpu_count=os.cpu_count(),
-        machine=platform.machine(),
+        **environment(),
         note="GB/s = input bytes / median time; ratio_to_copy = that over x.copy()'s GB/s "
         "for the same dtype, timed interleaved in the same run.",
         rows=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 

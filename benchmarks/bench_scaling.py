@@ -33,8 +33,6 @@ if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -44,7 +42,8 @@ import jax  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from _harness import StepCase, interleaved, package_revision, traced_ops  # noqa: E402
+from _report import environment, write_json  # noqa: E402
+from _harness import StepCase, interleaved, traced_ops  # noqa: E402
 from nvfp4_jax import sharding  # noqa: E402
 from nvfp4_jax.config import make_config  # noqa: E402
 from nvfp4_jax.train.build import build_model  # noqa: E402
@@ -174,15 +173,11 @@ def main(argv=None) -> dict:
         tokens_per_step=tokens,
         warmup=args.warmup,
         repeats=args.repeats,
-        package_revision=package_revision(),
-        jax=jax.__version__,
-        cpu_count=os.cpu_count(),
-        machine=platform.machine(),
+        **environment(),
         wall_s=round(time.perf_counter() - t0, 1),
         rows=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 

@@ -32,7 +32,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,7 +42,8 @@ import jax.numpy as jnp
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from _harness import StepCase, hlo_op_names, interleaved, package_revision, traced_ops  # noqa: E402
+from _report import environment, write_json  # noqa: E402
+from _harness import StepCase, hlo_op_names, interleaved, traced_ops  # noqa: E402
 from nvfp4_jax import sharding  # noqa: E402
 from nvfp4_jax.config import Config, MeshConfig, make_config  # noqa: E402
 from nvfp4_jax.flops import parameter_count, training_flops_per_step  # noqa: E402
@@ -251,11 +251,7 @@ def main(argv=None) -> dict:
     result = dict(
         command="python " + " ".join([os.path.relpath(__file__, Path.cwd())] + list(argv or sys.argv[1:])),
         warmup=args.warmup,
-        package_revision=package_revision(),
-        jax=jax.__version__,
-        device=str(jax.devices()[0]),
-        cpu_count=os.cpu_count(),
-        machine=platform.machine(),
+        **environment(),
         wall_s=round(time.perf_counter() - t0, 1),
         note="median of interleaved repeats after warm-up; one device; fixed synthetic batch; "
         "first_step_s includes compilation. CPU emulation: the NVFP4/FP8 GEMMs run as bf16 "
@@ -263,11 +259,10 @@ def main(argv=None) -> dict:
         goal=dict(te_nvfp4_over_bf16_max=GOAL_RATIO, presets=goal),
         presets=results,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
     if "maxtext" in old:  # written by hand from a separate MaxText run; keep it
         result["maxtext"] = old["maxtext"]
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from nvfp4_jax import config as config_lib
-from nvfp4_jax.config import ConfigError, load_config, make_config
+from nvfp4_jax.config import ConfigError, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

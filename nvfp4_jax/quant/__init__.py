@@ -1,4 +1,4 @@
-"""Everything that knows FP4/FP8: formats, quantizers, Hadamard transform."""
+"""Everything that knows FP4/FP8: formats, quantizers, Hadamard transform, recipes, the quantized dot."""
 
 from .formats import E2M1_VALUES, e2m1_values, pack_nibbles, unpack_nibbles
 from .fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
@@ -17,3 +17,35 @@ from .flax_dot import (
 from .fp8_delayed import init_fp8_meta
 from .recipe import RECIPES, Recipe, get_recipe
 from .te_backend import TEUnavailableError, resolve_backend
+
+__all__ = [
+    "E2M1_VALUES",
+    "e2m1_values",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "FP8Tensor",
+    "dequantize_fp8",
+    "quantize_fp8",
+    "hadamard_matrix",
+    "inverse_random_hadamard_transform",
+    "random_hadamard_transform",
+    "MXFP4Tensor",
+    "dequantize_mxfp4",
+    "quantize_mxfp4",
+    "NVFP4Tensor",
+    "dequantize",
+    "nvfp4_gemm_operand",
+    "quantize_nvfp4",
+    "unpack_codes",
+    "make_dot_general",
+    "OVERWRITE_WITH_GRADIENT_COLLECTIONS",
+    "QuantDotGeneral",
+    "dot_general_factory",
+    "quant_rngs",
+    "init_fp8_meta",
+    "RECIPES",
+    "Recipe",
+    "get_recipe",
+    "TEUnavailableError",
+    "resolve_backend",
+]

@@ -19,7 +19,6 @@ from nvfp4_jax.quant import (
     dequantize_fp8,
     e2m1_values,
     hadamard_matrix,
-    nvfp4_gemm_operand,
     quantize_fp8,
     quantize_mxfp4,
     quantize_nvfp4,

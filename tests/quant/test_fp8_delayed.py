@@ -17,7 +17,6 @@ from nvfp4_jax.quant import dequantize_fp8, quantize_fp8
 from nvfp4_jax.quant.dot import make_dot_general
 from nvfp4_jax.quant.fp8_delayed import (
     init_fp8_meta,
-    next_fp8_meta,
     scale_from_amax,
     update_role,
 )

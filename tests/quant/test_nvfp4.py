@@ -1,7 +1,6 @@
 """NVFP4 quantizer against hand-derived vectors and a float32/float64 numpy transcription of
 NVFP4_SPEC.md (written here, independently of the implementation), plus properties."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

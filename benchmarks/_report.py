@@ -1,0 +1,40 @@
+"""What every benchmark records about where it ran, and how it writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import jax
+
+
+def package_revision() -> str:
+    """The git commit the package was measured at, `+dirty` when nvfp4_jax/ has local changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "--short", "HEAD")
+        return (rev + "+dirty" if git("status", "--porcelain", "--", "nvfp4_jax") else rev) or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def environment() -> dict:
+    return dict(
+        package_revision=package_revision(),
+        jax=jax.__version__,
+        device=str(jax.devices()[0]),
+        cpu_count=os.cpu_count(),
+        machine=platform.machine(),
+    )
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
