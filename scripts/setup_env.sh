@@ -12,9 +12,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 # Reinstall only when pyproject.toml changed since the last install (or extras differ).
+# The stamp holds one line per install: "<pyproject hash> extras=[...]". A plain install is
+# satisfied by any install of the same pyproject.
 _stamp="$VENV/.nvfp4_jax_installed"
-_want="$(sha256sum "$_root/pyproject.toml" | cut -d' ' -f1) extras=[$_extras]"
-if [ ! -f "$_stamp" ] || ! grep -qxF "$_want" "$_stamp"; then
+_hash="$(sha256sum "$_root/pyproject.toml" | cut -d' ' -f1)"
+_want="$_hash extras=[$_extras]"
+_have=1
+if [ -f "$_stamp" ]; then
+  if grep -qxF "$_want" "$_stamp" || { [ -z "$_extras" ] && grep -q "^$_hash " "$_stamp"; }; then
+    _have=0
+  fi
+fi
+if [ "$_have" != 0 ]; then
   echo "[setup] installing nvfp4_jax${_extras:+[$_extras]} (first run takes a few minutes)"
   "$PY" -m pip install -q --upgrade pip >/dev/null
   if [ -n "$_extras" ]; then
@@ -22,6 +31,8 @@ if [ ! -f "$_stamp" ] || ! grep -qxF "$_want" "$_stamp"; then
   else
     "$PY" -m pip install -q -e "$_root"
   fi
-  echo "$_want" > "$_stamp"
+  # Keep the other installs of this pyproject (their extras are still there); drop stale ones.
+  { grep "^$_hash " "$_stamp" 2>/dev/null || true; echo "$_want"; } > "$_stamp.new"
+  mv "$_stamp.new" "$_stamp"
 fi
 export PY
