@@ -1,5 +1,6 @@
 """End-to-end training: loss falls, resume is exact, non-finite losses stop the run."""
 
+import glob
 import json
 import os
 import re
@@ -104,6 +105,20 @@ def test_example_script_runs_end_to_end(tmp_path):
     assert "emulated NVFP4" in out.stdout and "validation loss" in out.stdout
     cfg = json.load(open(os.path.join(tmp_path, "example", "config.json")))
     assert cfg["model"]["quantization"] == "te_nvfp4"
+
+
+SMALL_PRESETS = [p for p in sorted(glob.glob(os.path.join(REPO, "recipes", "configs", "*.yml")))
+                 if load_config([p]).model.model_name in ("tiny", "small-25m")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SMALL_PRESETS, ids=os.path.basename)
+def test_small_recipe_yamls_train_two_steps(tmp_path, path):
+    cfg = load_config([path, "steps=2", "eval_steps=1", f"base_output_directory={tmp_path}", "run_name=yaml",
+                       "ici_fsdp_parallelism=1", "checkpoint_period=2"])
+    summary = run(cfg, progress=False, devices=ONE_DEVICE)
+    assert summary["last_checkpoint_step"] == 2
+    assert summary["final_train_loss"] < 7 and summary["final_eval_loss"] < 7
 
 
 def test_cli_rejects_bad_config_before_compiling(tmp_path):
