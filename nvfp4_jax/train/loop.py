@@ -107,6 +107,8 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
         num_devices=num_devices,
     )
+    if is_lead:
+        print(f"data: {train_data.describe()}; {eval_data.describe()}", flush=True)
     writer = metrics_lib.MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_lead else None
     start = int(jax.device_get(state.step))
     if start >= t.steps and is_lead:
@@ -140,8 +142,12 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
             line = metrics_lib.maxtext_line(record)
             (bar.write(line) if bar is not None else print(line, flush=True))
 
+    eval_batches: list = []  # the same held-out batches every time: loaded once, on first use
+
     def evaluate(step: int) -> float:
-        losses = [eval_step(state, put(eval_data, i)) for i in range(t.eval_steps)]
+        if not eval_batches:
+            eval_batches.extend(put(eval_data, i) for i in range(t.eval_steps))
+        losses = [eval_step(state, batch) for batch in eval_batches]
         value = float(np.mean(jax.device_get(losses)))
         eval_losses.append((step, value))
         if writer:
