@@ -1,7 +1,8 @@
 """Low-precision formats: E2M1 (FP4), E4M3/E5M2 (FP8), E8M0, and nibble packing.
 
-Everything here is exact integer or exactly-rounded float work, written so that XLA cannot
-change its meaning under `jit` (see docs/numerics.md for the traps this avoids).
+Everything here is integer work on float32 bits, or float work whose result is exact (products
+by powers of two, comparisons), so that no backend can change its meaning: not XLA rewriting
+under `jit`, not a GPU's approximate division or FMA contraction (see docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from nvfp4_jax.quant import exact
 
 # --- constants --------------------------------------------------------------------------------
 
@@ -45,18 +48,7 @@ def _f32(bits: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-# --- exact scalar helpers ---------------------------------------------------------------------
-
-
-def exact_div(a: jax.Array, b) -> jax.Array:
-    """`a / b` rounded once, as IEEE division; `b` a scalar.
-
-    XLA rewrites `A / broadcast(B)` and `A / constant` into `A * (1 / B)` (two roundings), even
-    for non-constant scalars and even eagerly. A divisor computed from `a` is neither (and stays
-    so under `vmap`): b + min(|a|, 0) is exactly b for every non-NaN a (NaN / b is NaN anyway).
-    """
-    a = jnp.asarray(a)
-    return a / (jnp.asarray(b, a.dtype) + jnp.minimum(jnp.abs(a), 0))
+# --- amax on the bits ------------------------------------------------------------------------
 
 
 def abs_bits(x: jax.Array) -> jax.Array:
@@ -81,16 +73,22 @@ def bits_to_f32(bits: jax.Array) -> jax.Array:
 # --- E4M3 / E5M2 ------------------------------------------------------------------------------
 
 
+# (mantissa bits, smallest normal exponent) of each float8 format: its rounding grid.
+_FP8_GRIDS = {jnp.dtype(jnp.float8_e4m3fn): (3, -6), jnp.dtype(jnp.float8_e5m2): (2, -14)}
+
+
 def saturating_cast(v: jax.Array, dtype) -> jax.Array:
     """Round float32 to a float8 dtype (RNE), saturating at its max finite value; NaN stays NaN.
 
-    XLA's (and ml_dtypes') float8 casts do not saturate (E4M3: >= 464 becomes NaN), hence the
-    clip. The cast sits behind an optimization barrier so that XLA cannot fold a following cast
-    back to float32 into a no-op (under jit it may drop an f32 -> f8 -> f32 round trip).
+    The rounding is done on the bits (`exact.round_to_grid`), so the value handed to the cast
+    is already on the float8 grid and every backend's cast (a hardware instruction, or XLA's
+    software conversion, possibly through float16) is exact. XLA's and ml_dtypes' own float8
+    casts do not saturate (E4M3: >= 464 becomes NaN), hence the clip.
     """
+    dtype = jnp.dtype(dtype)
     fmax = float(jnp.finfo(dtype).max)
     v = jnp.clip(v.astype(jnp.float32), -fmax, fmax)
-    return lax.optimization_barrier(v.astype(dtype))
+    return exact.round_to_grid(v, *_FP8_GRIDS[dtype]).astype(dtype)
 
 
 def round_to_e4m3(v: jax.Array) -> jax.Array:
@@ -146,14 +144,17 @@ def round_e2m1_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
 
     `rbits` is uint8 noise of `y`'s shape (8 random bits per element, as on Blackwell).
     Spec section 6: t = |y| + u * step(|y|), then round t down on the grid at t.
-    P(round up) = floor(256 * frac) / 256; values on the grid never move.
+    P(round up) = floor(256 * frac) / 256; values on the grid never move. Every operation is
+    exact or rounds once (u * step is exact, so an FMA gives the same t), and the division by
+    the power-of-two step is a multiplication by its reciprocal: no backend can change a bit.
     """
     a = jnp.abs(y)
     step = jnp.where(a >= 4.0, 2.0, jnp.where(a >= 2.0, 1.0, 0.5)).astype(jnp.float32)
     u = rbits.astype(jnp.float32) * np.float32(1.0 / 256.0)
     t = a + u * step
     step_t = jnp.where(t >= 4.0, 2.0, jnp.where(t >= 2.0, 1.0, 0.5)).astype(jnp.float32)
-    q = jnp.minimum(jnp.floor(t / step_t) * step_t, E2M1_MAX)  # power-of-two steps: exact
+    inv_step_t = jnp.where(t >= 4.0, 0.5, jnp.where(t >= 2.0, 1.0, 2.0)).astype(jnp.float32)
+    q = jnp.minimum(jnp.floor(t * inv_step_t) * step_t, E2M1_MAX)
     return jnp.copysign(q, y)
 
 
@@ -300,6 +301,18 @@ def block_layout(shape: tuple[int, ...], axis: int, block: int, two_d: bool = Fa
     # A trailing unit dim would only get in XLA's way: keep the common axis=-1 case 3-D.
     blocked = (pre, nb, block) + ((post,) if post > 1 else ())
     return BlockLayout(blocked, (2,), tuple(shape[:axis]) + (nb,) + tuple(shape[axis + 1 :]))
+
+
+def computed_once(*values: jax.Array) -> tuple[jax.Array, ...]:
+    """The float32 arrays `values`, unchanged, computed once each rather than once per use.
+
+    XLA CPU fuses cheap work on a few values into the loops that broadcast them, and so redoes
+    it for every block or element: the integer-built per-tensor factors (`exact`, hundreds of
+    ops) would run once per block, 10**5 times over. An optimization barrier does not survive
+    to XLA's fusion pass; a sort does (it is never fused), so each value goes through a sort
+    of two copies of its bits. Use it for per-tensor values only: it costs a small sort.
+    """
+    return tuple(_f32(lax.sort(jnp.stack([_u32(v), _u32(v)]), dimension=0)[0]) for v in values)
 
 
 def block_amax_bits(xb: jax.Array, lay: BlockLayout) -> tuple[jax.Array, jax.Array]:

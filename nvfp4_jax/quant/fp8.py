@@ -1,7 +1,7 @@
 """FP8 with a per-tensor scale (the FP8 baselines, spec section 10).
 
 Transformer Engine's convention: data = saturating_cast(x * scale), x_hat = data * scale_inv
-with scale_inv = 1 / scale.
+with scale_inv = 1 / scale (correctly rounded on every backend, see `exact`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from . import exact
 from . import formats as F
 
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -53,7 +54,7 @@ def quantize_fp8(x: jax.Array, scale, fmt: str = "e4m3") -> FP8Tensor:
     nonfinite = F.is_nonfinite_bits(amax_bits)
     amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
     data = F.saturating_cast(x.astype(jnp.float32) * scale, FP8_DTYPES[fmt])
-    scale_inv = jnp.where(nonfinite, jnp.float32(jnp.nan), jnp.float32(1.0) / scale)
+    scale_inv = jnp.where(nonfinite, jnp.float32(jnp.nan), exact.div(1.0, scale))
     return FP8Tensor(data=data, scale_inv=scale_inv, amax=amax, fmt=fmt)
 
 

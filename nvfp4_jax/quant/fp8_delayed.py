@@ -25,6 +25,8 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 
+from nvfp4_jax.quant import exact
+
 FP8Meta = Dict[str, jax.Array]
 
 COLLECTION = "fp8_meta"
@@ -55,7 +57,8 @@ def scale_from_amax(amax, fmt: str, *, margin: int = 0, fallback=None) -> jax.Ar
     """`fp8_max / amax / 2**margin` as fp32 `[1]`; `fallback` (default 1) where amax is 0 or not finite."""
     amax = jnp.reshape(jnp.asarray(amax, jnp.float32), (1,))
     fallback = jnp.ones((1,), jnp.float32) if fallback is None else fallback
-    scale = (jnp.float32(FP8_MAX[fmt]) / amax) / jnp.float32(2.0**margin)
+    # Correctly rounded on every backend (a GPU divides only faithfully): see quant.exact.
+    scale = exact.div(exact.div(FP8_MAX[fmt], amax), 2.0**margin)
     ok = (amax > 0.0) & jnp.isfinite(amax)
     return jnp.where(ok, scale, fallback)
 

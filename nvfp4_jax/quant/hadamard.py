@@ -22,6 +22,7 @@ def _hadamard_np() -> np.ndarray:
 
 
 _R = _hadamard_np()
+_SIGNS_QUARTER = (WGRAD_SIGNS / 4.0).astype(np.float32)
 
 
 def hadamard_matrix(dtype=jnp.float32) -> jax.Array:
@@ -29,8 +30,8 @@ def hadamard_matrix(dtype=jnp.float32) -> jax.Array:
     return jnp.asarray(_R, dtype)
 
 
-def _blockwise_matmul(x: jax.Array, r: jax.Array, axis: int, **dot_kwargs) -> jax.Array:
-    """Multiply every 16-vector along `axis` by `r` on the right: v -> v @ r."""
+def _blocks(x: jax.Array, axis: int) -> tuple[int, int, int]:
+    """(pre, blocks, post): x viewed as [pre, blocks, 16, post] along `axis`; checks the length."""
     axis = axis % x.ndim
     n = x.shape[axis]
     if n % RHT_SIZE:
@@ -40,33 +41,38 @@ def _blockwise_matmul(x: jax.Array, r: jax.Array, axis: int, **dot_kwargs) -> ja
         )
     pre = int(np.prod(x.shape[:axis], dtype=np.int64))
     post = int(np.prod(x.shape[axis + 1 :], dtype=np.int64))
-    xb = x.reshape(pre, n // RHT_SIZE, RHT_SIZE, post)
-    # Contract the in-block index k; result dims (p, b, q, j) -> move j back before q.
-    y = lax.dot_general(xb, r, (((2,), (0,)), ((), ())), **dot_kwargs)
-    return jnp.moveaxis(y, 3, 2).reshape(x.shape)
+    return pre, n // RHT_SIZE, post
 
 
 def random_hadamard_transform(x: jax.Array, axis: int = -1) -> jax.Array:
     """Rotate each block of 16 along `axis` by R, as Blackwell's RHT does.
 
-    Input cast to bf16, bf16 x bf16 products accumulated in fp32, result rounded to bf16.
+    Input cast to bf16, exact products with R's entries (+-1/4), sums in fp32, result rounded
+    to bf16. The sums run in a fixed order, the fast Walsh-Hadamard butterfly: four stages of
+    pairwise sums and differences (strides 1, 2, 4, 8), each an IEEE float32 add that every
+    backend rounds alike; a dot_general would leave the accumulation order (and so the last
+    bit, when a partial sum rounds) to the backend. When no partial sum rounds, as for most
+    blocks of bf16 data, the result is the exact product rounded once to bf16.
     Returns bfloat16 of x's shape.
     """
-    y = _blockwise_matmul(
-        x.astype(jnp.bfloat16),
-        hadamard_matrix(jnp.bfloat16),
-        axis,
-        preferred_element_type=jnp.float32,
-    )
-    return y.astype(jnp.bfloat16)
+    pre, blocks, post = _blocks(x, axis)
+    # Block element k = 8*k3 + 4*k2 + 2*k1 + k0 sits at index (k3, k2, k1, k0) of axes 2..5.
+    v = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(pre, blocks, 2, 2, 2, 2, post)
+    v = v * _SIGNS_QUARTER.reshape(1, 1, 2, 2, 2, 2, 1)  # diag(s) / 4: exact
+    for bit_axis in (5, 4, 3, 2):  # strides 1, 2, 4, 8
+        a = lax.index_in_dim(v, 0, bit_axis, keepdims=True)
+        b = lax.index_in_dim(v, 1, bit_axis, keepdims=True)
+        v = jnp.concatenate([a + b, a - b], axis=bit_axis)
+    return v.reshape(x.shape).astype(jnp.bfloat16)
 
 
 def inverse_random_hadamard_transform(y: jax.Array, axis: int = -1) -> jax.Array:
     """Undo `random_hadamard_transform` (v -> v @ R^T), in float32 at full precision."""
-    return _blockwise_matmul(
-        y.astype(jnp.float32),
-        hadamard_matrix(jnp.float32).T,
-        axis,
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+    pre, blocks, post = _blocks(y, axis)
+    yb = y.astype(jnp.float32).reshape(pre, blocks, RHT_SIZE, post)
+    # Contract the in-block index k with R^T; result dims (p, b, q, j) -> j back before q.
+    x = lax.dot_general(
+        yb, hadamard_matrix(jnp.float32).T, (((2,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
+    return jnp.moveaxis(x, 3, 2).reshape(y.shape)

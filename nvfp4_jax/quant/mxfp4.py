@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import exact
 from . import formats as F
 
 
@@ -38,11 +39,17 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _ceil_log2(v: jax.Array) -> jax.Array:
-    """ceil(log2(v)) for non-negative float32 v, exactly, from the bits (0 gives -127)."""
-    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-    exp = (bits >> 23).astype(jnp.int32) - 127
-    return exp + ((bits & np.uint32(0x7FFFFF)) != 0).astype(jnp.int32)
+def _scale_exponent(amax_b_bits: jax.Array) -> jax.Array:
+    """clamp(ceil(log2(amax_b / 6)), -127, 127) from the bits of finite amax_b, exactly.
+
+    With amax_b = m * 2**p, m in [1, 2): amax_b / 6 = (m / 1.5) * 2**(p - 2) and m / 1.5 lies in
+    [2/3, 4/3), so the exponent is p - 2, plus 1 when m > 1.5. No division, so no backend's
+    rounding of amax_b / 6 enters; TE's correctly rounded quotient never crosses a power of two
+    that the exact one does not (and below 2**-126 the clamp hides any difference).
+    """
+    sig, p = exact.unpack(amax_b_bits)
+    e = p - 2 + (sig > np.uint32(3 << 22)).astype(jnp.int32)
+    return jnp.where(amax_b_bits == 0, F.E8M0_MIN_EXP, jnp.clip(e, F.E8M0_MIN_EXP, F.E8M0_MAX_EXP))
 
 
 def quantize_mxfp4(x: jax.Array, *, axis: int = -1) -> MXFP4Tensor:
@@ -58,10 +65,7 @@ def quantize_mxfp4(x: jax.Array, *, axis: int = -1) -> MXFP4Tensor:
     xb = x.astype(jnp.float32).reshape(lay.blocked)
 
     amax_b_bits, amax_bits = F.block_amax_bits(xb, lay)
-    # XLA CPU flushes a subnormal amax_b / 6 to 0, giving -127 where exact math could give -126
-    # (only for amax_b < 6 * 2**-126).
-    e = _ceil_log2(F.exact_div(F.bits_to_f32(amax_b_bits), 6.0))
-    e = jnp.clip(e, F.E8M0_MIN_EXP, F.E8M0_MAX_EXP)
+    e = _scale_exponent(amax_b_bits)
     y = jnp.clip(F.mul_pow2(xb, -e), -F.E2M1_MAX, F.E2M1_MAX)  # x / 2**e, exact
     codes = F.e2m1_rn_codes(y).reshape(x.shape)
 

@@ -8,16 +8,17 @@ One implementation of the math, `_quantize_codes`, serves both public forms:
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from . import exact
 from . import formats as F
 from .fp8 import FP8Tensor, dequantize_fp8
 from .hadamard import random_hadamard_transform
 from .mxfp4 import MXFP4Tensor, dequantize_mxfp4
-
-_ONE_SIXTH = np.float32(1.0) / np.float32(6.0)  # fl32(1/6), folded into the global multiplier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,31 +86,55 @@ def _layout(shape, axis, two_d) -> F.BlockLayout:
 
 
 # --- the math (spec sections 2, 4, 6, 8) ------------------------------------------------------
+#
+# Every value that decides a bit is computed so that no backend can change it: the per-tensor and
+# per-block factors with integer-built, correctly rounded arithmetic (`exact`), E4M3 rounding on
+# the bits, and the per-element work as one float32 multiply (correctly rounded everywhere) and
+# integer rounding. See docs/numerics.md, "Same bits on every backend".
+
+_ONE_SIXTH = np.float32(1.0) / np.float32(6.0)  # fl32(1/6), folded into the global multiplier
+# float32 value of every non-negative E4M3 byte 0x00..0x7F (0x7F is NaN): the block scales.
+_E4M3_VALUES = np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
 
 
 def _global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """S_enc = min(2688 / amax, FLT_MAX) (1 when amax is Inf), S_dec = 1 / S_enc."""
-    s_enc = jnp.minimum(jnp.float32(F.NVFP4_GLOBAL_SCALE) / amax, jnp.float32(F.FLT_MAX))
+    s_enc = jnp.minimum(exact.div(F.NVFP4_GLOBAL_SCALE, amax), jnp.float32(F.FLT_MAX))
     s_enc = jnp.where(jnp.isinf(amax), jnp.float32(1.0), s_enc)
-    return s_enc, jnp.float32(1.0) / s_enc
+    return s_enc, exact.div(1.0, s_enc)
 
 
 def decode_scale(amax: jax.Array) -> jax.Array:
-    """The per-tensor decode factor amax / 2688 (a true division, see formats.exact_div)."""
-    return F.exact_div(amax.astype(jnp.float32), F.NVFP4_GLOBAL_SCALE)
+    """The per-tensor decode factor amax / 2688, correctly rounded on every backend."""
+    return exact.div(amax, F.NVFP4_GLOBAL_SCALE)
 
 
-def _block_factors(s_b: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(enc_b, s_b): enc_b = min(1 / (s_b * S_dec), FLT_MAX), and s_b itself.
+def _tensor_factors(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-tensor factors: (S_enc * fl32(1/6), that times 2**-149, the block-factor table).
 
-    Both come out of one division (s_b / 1 is exact): XLA CPU fuses cheap block-level work
-    into the per-element loop and redoes it for every element, 16x over, but it will not
-    duplicate a division, so this keeps the per-block factors in their own small loop.
+    The table has a row per non-negative E4M3 byte: its scale s_b and the encode factor
+    enc = min(1 / (s_b * S_dec), FLT_MAX), so blocks look both up by their scale's byte
+    instead of dividing. All of it is exact integer-built arithmetic (`exact`), computed once.
     """
-    num = jnp.stack([jnp.ones_like(s_b), s_b], axis=-1)
-    den = jnp.stack([s_b * s_dec, jnp.ones_like(s_b)], axis=-1)
-    f = num / den
-    return jnp.minimum(f[..., 0], jnp.float32(F.FLT_MAX)), f[..., 1]
+    s_enc, s_dec = _global_scales(amax)
+    mult = exact.mul(s_enc, _ONE_SIXTH)
+    enc = jnp.minimum(exact.div(1.0, exact.mul(_E4M3_VALUES, s_dec)), jnp.float32(F.FLT_MAX))
+    table = jnp.stack([jnp.asarray(_E4M3_VALUES), enc], axis=-1)
+    return F.computed_once(mult, exact.mul(mult, 2.0**-149), table)
+
+
+def _block_scales(amax_b: jax.Array, mult: jax.Array, mult_tiny: jax.Array) -> jax.Array:
+    """Block scales e4m3(clip(min(amax_b * mult, FLT_MAX), 0, 448)), mult = fl32(S_enc / 6).
+
+    amax_b * mult of two normal floats is correctly rounded on every backend. A subnormal
+    amax_b (which a flush-to-zero backend reads as 0) is frac * 2**-149, so its product is
+    frac * (mult * 2**-149) = frac * mult_tiny, rounded once. A subnormal product is below the
+    smallest E4M3 scale and rounds to 0 either way.
+    """
+    amax_bits = exact.bits(amax_b)
+    frac = (amax_bits & np.uint32(0x7FFFFF)).astype(jnp.float32)  # exact: below 2**23
+    product = jnp.where(amax_bits >= np.uint32(0x00800000), amax_b * mult, frac * mult_tiny)
+    return F.round_to_e4m3(jnp.clip(jnp.minimum(product, F.FLT_MAX), 0.0, F.E4M3_MAX))
 
 
 def _quantize_codes(x, axis, two_d, rht, stochastic, key):
@@ -128,13 +153,15 @@ def _quantize_codes(x, axis, two_d, rht, stochastic, key):
     amax_b_bits, amax_bits = F.block_amax_bits(xb, lay)
     nonfinite = F.is_nonfinite_bits(amax_bits)
     amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
-    amax_b = F.bits_to_f32(amax_b_bits)
 
-    s_enc, s_dec = _global_scales(amax)
-    s_b = jnp.minimum(amax_b * (s_enc * _ONE_SIXTH), jnp.float32(F.FLT_MAX))
-    s_b = jnp.where(nonfinite, jnp.float32(jnp.nan), jnp.clip(s_b, 0.0, F.E4M3_MAX))
-    scales = F.round_to_e4m3(s_b)
-    enc_b, s_b = _block_factors(F.fp8_to_f32(scales), s_dec)
+    mult, mult_tiny, table = _tensor_factors(amax)
+    scales = _block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny)
+    scales = jnp.where(nonfinite, jnp.float8_e4m3fn(jnp.nan), scales)
+    # A gather by the scale's byte gives each block its (s_b, enc_b); XLA computes it once per
+    # block (a cheap expression would be fused into the element loop and redone 16x).
+    index = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+    factors = table.at[index].get(mode="promise_in_bounds")
+    s_b, enc_b = factors[..., 0], factors[..., 1]
 
     y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
     if stochastic:

@@ -8,6 +8,9 @@ import pytest
 
 from nvfp4_jax.quant import FP8Tensor, dequantize, dequantize_fp8, quantize_fp8
 
+# Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
+pytestmark = pytest.mark.usefixtures("arithmetic")
+
 NP_DTYPES = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
 quantize_jit = jax.jit(quantize_fp8, static_argnames="fmt")
 

@@ -22,6 +22,9 @@ from nvfp4_jax.quant.fp8_delayed import (
 )
 from nvfp4_jax.quant.recipe import get_recipe
 
+# Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
+pytestmark = pytest.mark.usefixtures("arithmetic")
+
 FP8_MAX = {"e4m3": np.float32(448.0), "e5m2": np.float32(57344.0)}
 DIMS = (((1,), (0,)), ((), ()))
 

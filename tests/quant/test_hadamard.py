@@ -14,6 +14,9 @@ from nvfp4_jax.quant import (
 )
 from nvfp4_jax.quant import random_hadamard_transform as rht
 
+# Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
+pytestmark = pytest.mark.usefixtures("arithmetic")
+
 SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], np.float64)
 rht_jit = jax.jit(rht, static_argnums=1)
 inv_jit = jax.jit(inverse_random_hadamard_transform, static_argnums=1)

@@ -10,6 +10,9 @@ from jax import lax
 from nvfp4_jax.quant import MXFP4Tensor, dequantize, dequantize_mxfp4, quantize_mxfp4
 from nvfp4_jax.quant.formats import unpack_nibbles
 
+# Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
+pytestmark = pytest.mark.usefixtures("arithmetic")
+
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 quantize_jit = jax.jit(quantize_mxfp4, static_argnames="axis")
 

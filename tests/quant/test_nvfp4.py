@@ -19,6 +19,9 @@ from nvfp4_jax.quant import (
     unpack_codes,
 )
 
+# Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
+pytestmark = pytest.mark.usefixtures("arithmetic")
+
 f32 = np.float32
 FLT_MAX = np.finfo(np.float32).max
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

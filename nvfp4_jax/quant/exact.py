@@ -1,0 +1,167 @@
+"""Correctly rounded float32 arithmetic built from integer operations: the same bits on every backend.
+
+A backend may compute float32 division only faithfully (XLA:GPU's `div.full.f32` is off by up to
+2 ulp), contract a multiply and an add into an FMA, or flush subnormal operands and results to
+zero (XLA:CPU does). None of that reaches the functions here: they unpack float32 bits into
+integer significands and exponents, do the arithmetic on uint32, and round once, to nearest
+even, with subnormal results and overflow to infinity exactly as IEEE 754 prescribes.
+
+They are meant for the quantizers' scale factors (scalars, or a handful of values per tensor),
+not for whole tensors: a division is a 27-step long division. `div` and `mul` are jitted so
+that eager callers run them as one compiled computation rather than op by op.
+
+Representation used throughout: a finite non-zero magnitude is `sig * 2**(exp - 23)` with
+`sig` in [2**23, 2**24) (uint32) and `exp` its unbiased exponent (int32), subnormals included.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_SIGN = np.uint32(0x80000000)
+_ABS = np.uint32(0x7FFFFFFF)
+_INF = np.uint32(0x7F800000)
+_QNAN = np.uint32(0x7FC00000)
+_HIDDEN = np.uint32(0x00800000)
+_FRAC = np.uint32(0x007FFFFF)
+
+
+def bits(x) -> jax.Array:
+    """The uint32 bit pattern of float32 `x`."""
+    return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+
+
+def from_bits(b) -> jax.Array:
+    """The float32 whose bit pattern is uint32 `b`."""
+    return lax.bitcast_convert_type(jnp.asarray(b, jnp.uint32), jnp.float32)
+
+
+def unpack(mag: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(sig, exp)` of finite non-zero magnitudes given as uint32 bits (subnormals normalized)."""
+    field = (mag >> 23).astype(jnp.int32)
+    frac = mag & _FRAC
+    normal = field > 0
+    # A subnormal's fraction has at least 9 leading zeros; shift its top bit to position 23.
+    shift = lax.clz(frac).astype(jnp.int32) - 8
+    sig = jnp.where(normal, frac | _HIDDEN, frac << jnp.clip(shift, 0, 31).astype(jnp.uint32))
+    exp = jnp.where(normal, field - 127, -126 - shift)
+    return sig, exp
+
+
+def round_pack(sig: jax.Array, exp: jax.Array, sticky: jax.Array) -> jax.Array:
+    """Magnitude bits of `sig * 2**exp` rounded to float32, to nearest even.
+
+    `sig` is a uint32 below 2**31, `exp` int32; `sticky` says the exact value lies strictly above
+    `sig * 2**exp` (bits were lost below it). Subnormal results and overflow to Inf are exact.
+    """
+    n = 32 - lax.clz(sig).astype(jnp.int32)  # bit length of sig (0 for sig == 0)
+    lead = exp + n - 1  # exponent of the leading bit
+    normal = lead >= -126
+    drop = jnp.where(normal, n - 24, -149 - exp)  # low bits of sig below the result's ulp
+    left = jnp.clip(-drop, 0, 31).astype(jnp.uint32)
+    right = jnp.clip(drop, 0, 31).astype(jnp.uint32)
+    kept = jnp.where(drop <= 0, sig << left, sig >> right)
+    rem = sig & ((np.uint32(1) << right) - np.uint32(1))
+    half = jnp.where(drop > 0, np.uint32(1) << jnp.clip(drop - 1, 0, 31).astype(jnp.uint32), 0)
+    up = (drop > 0) & ((rem > half) | ((rem == half) & (sticky | ((kept & 1) == 1))))
+    kept = jnp.where(drop >= 32, np.uint32(0), kept + up.astype(jnp.uint32))
+    # A normal result's kept includes the hidden bit: adding it to (biased exponent - 1) << 23
+    # gives the right bits, and a rounding carry to 2**24 bumps the exponent by itself.
+    base = jnp.clip(lead + 126, 0, 254).astype(jnp.uint32) << 23
+    out = jnp.where(normal, base + kept, kept)
+    overflow = (lead > 127) | (out >= _INF)
+    return jnp.where(sig == 0, np.uint32(0), jnp.where(overflow, _INF, out))
+
+
+class _Operands(NamedTuple):
+    """Two float32 operands taken apart: result sign, classes, significands and exponents."""
+
+    sign: jax.Array
+    a_nan: jax.Array
+    b_nan: jax.Array
+    a_inf: jax.Array
+    b_inf: jax.Array
+    a_zero: jax.Array
+    b_zero: jax.Array
+    sa: jax.Array
+    ea: jax.Array
+    sb: jax.Array
+    eb: jax.Array
+
+
+def _operands(a, b) -> _Operands:
+    a, b = jnp.broadcast_arrays(bits(a), bits(b))
+    am, bm = a & _ABS, b & _ABS
+    sa, ea = unpack(am)
+    sb, eb = unpack(bm)
+    return _Operands(
+        (a ^ b) & _SIGN, am > _INF, bm > _INF, am == _INF, bm == _INF, am == 0, bm == 0,
+        sa, ea, sb, eb,
+    )
+
+
+@jax.jit
+def div(a, b) -> jax.Array:
+    """`a / b` in float32, correctly rounded (IEEE 754, round to nearest even)."""
+    o = _operands(a, b)
+    # Long division: 27 quotient bits of sa / sb (in (1/2, 2)), i.e. 26 or 27 significant bits.
+    r = jnp.where(o.a_zero | o.a_inf | o.a_nan, np.uint32(0), o.sa)
+    sb = jnp.where(o.b_zero | o.b_inf | o.b_nan, np.uint32(1), o.sb)
+    q = jnp.zeros_like(r)
+    for _ in range(27):
+        ge = r >= sb
+        q = (q << 1) | ge.astype(jnp.uint32)
+        r = jnp.where(ge, r - sb, r) << 1
+    mag = round_pack(q, o.ea - o.eb - 26, r != 0)
+    nan = o.a_nan | o.b_nan | (o.a_inf & o.b_inf) | (o.a_zero & o.b_zero)
+    mag = jnp.where(o.a_inf | o.b_zero, _INF, jnp.where(o.a_zero | o.b_inf, np.uint32(0), mag))
+    return from_bits(jnp.where(nan, _QNAN, mag | o.sign))
+
+
+@jax.jit
+def mul(a, b) -> jax.Array:
+    """`a * b` in float32, correctly rounded, subnormal operands and results included."""
+    o = _operands(a, b)
+    # 48-bit product from 12-bit limbs; keep its top bits (p >> 20) and whether any below are set.
+    m12 = np.uint32(0xFFF)
+    ah, al, bh, bl = o.sa >> 12, o.sa & m12, o.sb >> 12, o.sb & m12
+    lo = al * bl
+    mid = ah * bl + al * bh + (lo >> 12)
+    top = ah * bh * np.uint32(16) + (mid >> 8)
+    sticky = ((mid & np.uint32(0xFF)) != 0) | ((lo & m12) != 0)
+    mag = round_pack(top, o.ea + o.eb - 26, sticky)
+    nan = o.a_nan | o.b_nan | (o.a_inf & o.b_zero) | (o.a_zero & o.b_inf)
+    mag = jnp.where(o.a_inf | o.b_inf, _INF, jnp.where(o.a_zero | o.b_zero, np.uint32(0), mag))
+    return from_bits(jnp.where(nan, _QNAN, mag | o.sign))
+
+
+def round_to_grid(x, mantissa_bits: int, min_exp: int) -> jax.Array:
+    """Round float32 values to the grid of a narrower float format, to nearest even, in float32.
+
+    The format keeps `mantissa_bits` fraction bits for exponents >= `min_exp` (its smallest
+    normal exponent) and below that is subnormal, with the fixed spacing
+    2**(min_exp - mantissa_bits) (which must be at least 2**-126). No range limit: saturate
+    before or after as the format needs. NaN stays NaN, Inf stays Inf. This is what a float8
+    cast does, done so that no backend's cast (a hardware instruction, or a software one
+    through float16 with double rounding) can change it: normal values round on their bits;
+    subnormal ones by adding 2**23 to |x| / spacing, an exact product, so that one IEEE add
+    rounds it to an integer (also if a backend fuses the two into an FMA).
+    """
+    xb = bits(x)
+    mag = xb & _ABS
+    drop = 23 - mantissa_bits
+    lsb = (mag >> drop) & np.uint32(1)
+    half = np.uint32((1 << (drop - 1)) - 1)
+    normal = (mag + half + lsb) & ~np.uint32((1 << drop) - 1)
+    spacing = float(2.0 ** (min_exp - mantissa_bits))
+    t = from_bits(mag) * np.float32(1.0 / spacing) + np.float32(2.0**23)
+    count = (bits(t) - bits(np.float32(2.0**23))).astype(jnp.float32)  # exact: below 2**mantissa_bits
+    sub = bits(count * np.float32(spacing))
+    out = jnp.where(mag >= bits(np.float32(2.0**min_exp)), normal, sub)
+    out = jnp.where(mag >= _INF, mag, out)
+    return from_bits(out | (xb & _SIGN))
