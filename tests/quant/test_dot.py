@@ -208,8 +208,29 @@ def _spec_operands(r, x, w, g, key):
     }
 
 
+# The model feeds bf16 activations and gradients, and the fp32 master weight (or its bf16 cast).
+OPERAND_DTYPES = {
+    "f32": (jnp.float32, jnp.float32),
+    "bf16": (jnp.bfloat16, jnp.bfloat16),
+    "bf16-f32w": (jnp.bfloat16, jnp.float32),
+}
+
+
+def _as(xwg, dtypes):
+    """x, w and dY (in the output's dtype) in the given dtypes."""
+    (x, w, g), (act, weight) = xwg, OPERAND_DTYPES[dtypes]
+    return x.astype(act), w.astype(weight), g.astype(jnp.result_type(act, weight))
+
+
+def _assert_gemm_close(got, want):
+    """fp32 accumulation-order tolerance, plus one rounding when the output is bf16."""
+    rtol = 2.0**-8 if got.dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(_np(got), want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtypes", OPERAND_DTYPES)
 @pytest.mark.parametrize("flag", ["te_nvfp4", "nvfp4_1d_weights"])
-def test_every_gemm_sees_its_spec_operands_on_the_fp4_grid(flag, xwg):
+def test_every_gemm_sees_its_spec_operands_on_the_fp4_grid(flag, dtypes, xwg):
     """Walk the jaxpr of forward+backward, run it, and check the operands of every GEMM dot.
 
     Each must equal e2m1_value(code) * E4M3 scale of the spec's quantization of its
@@ -219,7 +240,7 @@ def test_every_gemm_sees_its_spec_operands_on_the_fp4_grid(flag, xwg):
     with RHT, dY with SR (key fold_in(key, 1)).
     """
     r = get_recipe(flag)
-    x, w, g = xwg
+    x, w, g = _as(xwg, dtypes)
     dots, (y, dx, dw) = _record_dots(functools.partial(_fwd_bwd, r, KEY), x, w, g)
     gemms = [d for d in dots if (16, 16) not in [a.shape for a in d[0]]]  # drop the RHT's dots
     assert len(gemms) == 3, [[a.shape for a in d[0]] for d in dots]
@@ -242,7 +263,7 @@ def test_every_gemm_sees_its_spec_operands_on_the_fp4_grid(flag, xwg):
 
     # And the output is the dot times the per-tensor decode scales (dequantize equality).
     want_dw = _np(want["wgrad_dequantized"][0]).T @ _np(want["wgrad_dequantized"][1])
-    np.testing.assert_allclose(_np(dw), want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max())
+    _assert_gemm_close(dw, want_dw)
 
 
 def test_sr_copies_of_dy_get_different_keys():
@@ -379,13 +400,14 @@ def test_mlp_gradients_close_to_fp32_at_any_scale():
 # --- FP8 and MXFP4 operands -------------------------------------------------------------------
 
 
-def test_fp8_current_scaling_gemms(xwg):
+@pytest.mark.parametrize("dtypes", OPERAND_DTYPES)
+def test_fp8_current_scaling_gemms(dtypes, xwg):
     """Per-tensor scale fp8_max / amax from the tensor itself; E4M3 forward, E5M2 gradient.
     Each GEMM equals the product of independently dequantized operands (fp32 tolerance)."""
-    x, w, g = xwg
+    x, w, g = _as(xwg, dtypes)
 
     def scale(a, fmt):
-        amax = np.abs(np.asarray(a, np.float64)).max()
+        amax = np.abs(_np(a)).max()
         return np.float32({"e4m3": 448.0, "e5m2": 57344.0}[fmt]) / np.float32(amax)
 
     @jax.jit
@@ -395,12 +417,13 @@ def test_fp8_current_scaling_gemms(xwg):
     y, dx, dw = _fwd_bwd_jit("te_fp8_currentscaling", None, x, w, g)
     qx, qw, qg = map(_np, refs(x, w, g, scale(x, "e4m3"), scale(w, "e4m3"), scale(g, "e5m2")))
     for got, want in [(y, qx @ qw), (dx, qg @ qw.T), (dw, qx.T @ qg)]:
-        np.testing.assert_allclose(_np(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        _assert_gemm_close(got, want)
 
 
-def test_mxfp4_gemms(xwg):
+@pytest.mark.parametrize("dtypes", OPERAND_DTYPES)
+def test_mxfp4_gemms(dtypes, xwg):
     """32-blocks along each GEMM's contraction axis, W requantized along N for DGRAD."""
-    x, w, g = xwg
+    x, w, g = _as(xwg, dtypes)
 
     @jax.jit
     def refs(x, w, g):
@@ -409,7 +432,7 @@ def test_mxfp4_gemms(xwg):
     y, dx, dw = _fwd_bwd_jit("mxfp4", None, x, w, g)
     x0, x1, w0, w1, g0, g1 = map(_np, refs(x, w, g))
     for got, want in [(y, x1 @ w0), (dx, g1 @ w1.T), (dw, x0.T @ g0)]:
-        np.testing.assert_allclose(_np(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        _assert_gemm_close(got, want)
 
 
 def test_nonfinite_input_gives_nan_output(xwg):

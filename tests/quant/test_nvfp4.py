@@ -1,6 +1,6 @@
 """NVFP4 quantizer against hand-derived vectors and a float32/float64 numpy transcription of
-NVFP4_SPEC.md (written here, independently of the implementation), plus properties."""
-
+NVFP4_SPEC.md (tests/nvfp4_spec.py, written independently of the implementation), plus
+properties. Every test runs under IEEE and under GPU-legal float32 arithmetic."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
+from nvfp4_spec import (
+    GRID, TIES, f32, ref_dequantize, ref_quantize, ref_rht_last_axis, spread_data, tie_rich_data,
+)
 
 from nvfp4_jax.quant.formats import stochastic_rounding_bits
 from nvfp4_jax.quant import (
@@ -22,72 +25,10 @@ from nvfp4_jax.quant import (
 # Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
 pytestmark = pytest.mark.usefixtures("arithmetic")
 
-f32 = np.float32
-FLT_MAX = np.finfo(np.float32).max
-GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 STATIC = ("axis", "two_d", "rht", "stochastic")
 quantize_jit = jax.jit(quantize_nvfp4, static_argnames=STATIC)
 operand_jit = jax.jit(nvfp4_gemm_operand, static_argnames=STATIC)
 dequantize_jit = jax.jit(dequantize)
-
-
-# --- the spec in numpy ------------------------------------------------------------------------
-
-
-def ref_e2m1_codes(y: np.ndarray) -> np.ndarray:
-    """Round-to-nearest on the E2M1 grid in float64, ties to the even code; sign kept."""
-    a = np.abs(y.astype(np.float64))[..., None]
-    d = np.abs(a - GRID)
-    dmin = d.min(-1, keepdims=True)
-    cand = np.where(d == dmin, np.arange(8), 99)
-    even = np.where(cand % 2 == 0, cand, 99).min(-1)
-    idx = np.where((d == dmin).sum(-1) > 1, even, cand.min(-1))
-    return (idx | np.where(np.signbit(y), 8, 0)).astype(np.uint8)
-
-
-def ref_sr_codes(y: np.ndarray, rbits: np.ndarray) -> np.ndarray:
-    """Spec section 6 literally, in float32."""
-    a = np.abs(y).astype(f32)
-    step = np.where(a >= 4, f32(2), np.where(a >= 2, f32(1), f32(0.5)))
-    t = (a + (rbits.astype(f32) / f32(256)) * step).astype(f32)
-    step_t = np.where(t >= 4, f32(2), np.where(t >= 2, f32(1), f32(0.5)))
-    q = np.minimum(np.floor(t / step_t) * step_t, f32(6))
-    return ref_e2m1_codes(np.copysign(q, y))
-
-
-def ref_quantize(x, *, two_d=False, rbits=None):
-    """Spec section 2 (and 4, 6) on a 2-D float32 array, blocks along the last axis.
-
-    Returns (codes uint8 unpacked, scale bytes, amax, block scale as float32).
-    """
-    x = np.asarray(x, np.float32)
-    m, n = x.shape
-    ax = np.abs(x)
-    amax = ax.max()
-    with np.errstate(divide="ignore", over="ignore"):
-        s_enc = np.minimum(f32(2688) / amax, FLT_MAX).astype(f32)
-        s_dec = f32(1) / s_enc
-        if two_d:
-            amax_b = ax.reshape(m // 16, 16, n // 16, 16).max((1, 3))
-            expand = lambda s: np.repeat(np.repeat(s, 16, 0), 16, 1)
-        else:
-            amax_b = ax.reshape(m, n // 16, 16).max(-1)
-            expand = lambda s: np.repeat(s, 16, 1)
-        mult = f32(s_enc * (f32(1) / f32(6)))
-        s = np.clip(np.minimum(amax_b * mult, FLT_MAX), 0, 448).astype(f32)
-        s8 = s.astype(ml_dtypes.float8_e4m3fn)
-        s_b = s8.astype(f32)
-        enc = np.minimum(f32(1) / (s_b * s_dec), FLT_MAX).astype(f32)
-        y = np.clip(x * expand(enc), -6, 6).astype(f32)
-    codes = ref_e2m1_codes(y) if rbits is None else ref_sr_codes(y, rbits)
-    return codes, s8.view(np.uint8), amax, s_b
-
-
-def ref_dequantize(codes, scale_bytes, amax, two_d=False):
-    vals = np.array([*GRID, *-GRID], f32)[codes]
-    s_b = scale_bytes.view(ml_dtypes.float8_e4m3fn).astype(f32)
-    s_b = np.repeat(np.repeat(s_b, 16, 0), 16, 1) if two_d else np.repeat(s_b, 16, 1)
-    return (vals * s_b) * (f32(amax) / f32(2688))
 
 
 def scale_bytes(q: NVFP4Tensor) -> np.ndarray:
@@ -100,17 +41,6 @@ def assert_matches_ref(q, x, two_d=False, rbits=None):
     np.testing.assert_array_equal(scale_bytes(q), sbytes)
     assert np.float32(q.amax) == amax
     np.testing.assert_array_equal(dequantize(q), ref_dequantize(codes, sbytes, amax, two_d))
-
-
-def spread_data(seed, shape, sigma=3.0, dtype=jnp.float32):
-    """Gaussian values times a log-normal per-16-block magnitude (wide dynamic range: zero,
-    subnormal and underflowing block scales), with a few all-zero blocks."""
-    rng = np.random.default_rng(seed)
-    m, n = shape
-    mag = np.exp(sigma * rng.standard_normal((m, n // 16, 1)))
-    mag[rng.random(mag.shape) < 0.05] = 0.0
-    x = (rng.standard_normal((m, n // 16, 16)) * mag).reshape(m, n).astype(np.float32)
-    return jnp.asarray(x, dtype)
 
 
 # --- hand-derived vectors ---------------------------------------------------------------------
@@ -299,6 +229,102 @@ def test_stochastic_rounding_matches_spec_transcription(jit):
     rbits = np.asarray(stochastic_rounding_bits(key, x.shape))
     q = (quantize_jit if jit else quantize_nvfp4)(x, stochastic=True, key=key)
     assert_matches_ref(q, np.asarray(x), rbits=rbits)
+
+
+# --- bf16 data full of rounding ties: what a GPU's 1-ulp division error flips ------------------
+
+
+def _tie_distance_ulps(x, two_d=False):
+    """|x * enc_b - nearest tie| in float32 ulps of the tie, per element (the spec's enc_b)."""
+    _, _, amax, s_b = ref_quantize(x, two_d=two_d)
+    s_dec = f32(1) / np.minimum(f32(2688) / amax, np.finfo(np.float32).max)
+    with np.errstate(divide="ignore"):
+        enc = np.minimum(f32(1) / (s_b * s_dec), np.finfo(np.float32).max).astype(f32)
+    enc = np.repeat(np.repeat(enc, 16, 0), 16, 1) if two_d else np.repeat(enc, 16, 1)
+    y = np.abs(x * enc).astype(f32)
+    t = TIES[np.abs(y[..., None] - TIES).argmin(-1)]
+    return np.abs(y.astype(np.float64) - t) / np.spacing(t)
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_tie_rich_data_sits_on_ties(two_d):
+    # The data's promise, checked with the spec: most elements are within one ulp of a tie,
+    # and on both sides of it (exact ties and one ulp either way).
+    x = tie_rich_data(0, (64, 64), two_d=two_d)
+    assert (x == x.astype(ml_dtypes.bfloat16).astype(np.float32)).all()
+    d = _tie_distance_ulps(x, two_d)
+    assert (d <= 1).mean() > 0.6 and (d == 0).mean() > 0.1 and (d == 1).mean() > 0.05
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("mode", ["rn", "2d", "sr"])
+def test_matches_spec_on_tie_rich_bf16(mode, jit):
+    two_d, stochastic = mode == "2d", mode == "sr"
+    fn = quantize_jit if jit else quantize_nvfp4
+    for seed in range(2):
+        x = tie_rich_data(seed, (64, 64), two_d=two_d)
+        kw = dict(stochastic=True, key=jax.random.key(seed)) if stochastic else {}
+        rbits = np.asarray(stochastic_rounding_bits(kw["key"], x.shape)) if stochastic else None
+        q = fn(jnp.asarray(x, jnp.bfloat16), two_d=two_d, **kw)
+        assert_matches_ref(q, x, two_d=two_d, rbits=rbits)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rht_matches_spec_transcription(dtype, stochastic):
+    # WGRAD copies: RHT along axis 0 (tokens), blocks along axis 0; the reference works on x^T.
+    x = spread_data(8, (128, 48), sigma=1.5, dtype=dtype)
+    kw = dict(stochastic=True, key=jax.random.key(8)) if stochastic else {}
+    q = quantize_jit(x, axis=0, rht=True, **kw)
+    xt = np.asarray(ref_rht_last_axis(np.asarray(x.astype(jnp.float32)).T), np.float32)
+    rbits = np.asarray(stochastic_rounding_bits(kw["key"], x.shape)).T if stochastic else None
+    codes, sbytes, amax, _ = ref_quantize(xt, rbits=rbits)
+    np.testing.assert_array_equal(np.asarray(unpack_codes(q)).T, codes)
+    np.testing.assert_array_equal(scale_bytes(q).T, sbytes)
+    assert np.float32(q.amax) == amax
+
+
+# --- tiny magnitudes: what the package guarantees where float32 runs out of normal numbers ----
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_tiny_normal_tensors_are_exact(two_d):
+    # amax ~ 1e-36: S_enc clamps to FLT_MAX and S_dec = 1 / FLT_MAX is a float32 subnormal, as
+    # are some products of block scale and S_dec. The scale arithmetic is integer-built, so a
+    # backend that flushes subnormals (XLA:CPU does) still gets the IEEE bits of the spec.
+    x = np.asarray(spread_data(9, (32, 64), sigma=1.0), np.float32)
+    x = (x / np.abs(x).max() * f32(1e-36)).astype(f32)
+    x[np.abs(x) < np.finfo(np.float32).tiny] = 0.0  # inputs themselves normal (or zero)
+    q = quantize_jit(jnp.asarray(x), two_d=two_d)
+    codes, sbytes, amax, _ = ref_quantize(x, two_d=two_d)
+    assert len(np.unique(sbytes)) > 4  # a real spread of scales, not one clamped value
+    np.testing.assert_array_equal(unpack_codes(q), codes)
+    np.testing.assert_array_equal(scale_bytes(q), sbytes)
+    assert np.float32(q.amax) == amax
+    # (Dequantized values here are float32 subnormals, amax / 2688 too: a flushing backend
+    # returns zeros for them. That is the per-element exception documented in numerics.md.)
+
+
+def test_subnormal_elements_on_a_flushing_backend():
+    # The documented exception (docs/numerics.md): a backend that flushes float32 subnormals
+    # reads subnormal *elements* as zero where they are scaled, x * enc_b; amax and the block
+    # scales are computed on the bits and stay exact. It shows in blocks whose scale underflows
+    # to 0 (enc_b = FLT_MAX: their values dequantize to 0 either way) and in tensors whose amax
+    # is below ~2**-100. GPUs do not flush: there the plain spec holds (scripts/device_check.sh).
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((16, 64)) * 1e-38).astype(np.float32)  # many subnormals
+    x[0, :16] = rng.standard_normal(16).astype(np.float32)  # normal blocks beside them
+    assert (np.abs(x) < np.finfo(np.float32).tiny).mean() > 0.3
+    q = quantize_jit(jnp.asarray(x))
+    flushing = jax.jit(lambda v: v * np.float32(2.0**30))(np.float32(1e-40)) == 0
+    if flushing:  # XLA:CPU
+        codes, sbytes, amax, _ = ref_quantize(x, flush_elements=True)
+        assert (codes != ref_quantize(x)[0]).any()  # the exception is real on this data
+    else:
+        codes, sbytes, amax, _ = ref_quantize(x)
+    np.testing.assert_array_equal(unpack_codes(q), codes)
+    np.testing.assert_array_equal(scale_bytes(q), sbytes)
+    assert np.float32(q.amax) == amax
 
 
 def test_block_axis_other_than_last():

@@ -8,14 +8,29 @@ tie (bf16 inputs hit those). torchao also clamps scales below 2**-6 (TE keeps E4
 subnormals) -- spec section 11.
 """
 
+import importlib
+import importlib.metadata
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
-mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+
+def _import_torchao(module: str):
+    """The module, or a skip where torchao is not installed at all (no `test` extra). Where it
+    is installed (CI installs the `test` extra), a failing import is a failure, not a skip: a
+    moved module must not silently turn the cross-check off."""
+    try:
+        importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("torchao is not installed (pip install -e '.[test]')", allow_module_level=True)
+    return importlib.import_module(module)
+
+
+torch = _import_torchao("torch")
+nvfp4_tensor = _import_torchao("torchao.prototype.mx_formats.nvfp4_tensor")
+mx_tensor = _import_torchao("torchao.prototype.mx_formats.mx_tensor")
 
 from nvfp4_jax.quant import quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from nvfp4_jax.quant.formats import unpack_nibbles  # noqa: E402
