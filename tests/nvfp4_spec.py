@@ -51,7 +51,7 @@ def ref_quantize(x, *, two_d=False, rbits=None, flush_elements=False):
     Returns (codes uint8 unpacked, scale bytes, amax, block scale as float32).
     """
     x = np.asarray(x, np.float32)
-    x_scaled = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(f32(0), x), x) if flush_elements else x
+    x_scaled = _flush(x) if flush_elements else x
     m, n = x.shape
     ax = np.abs(x)
     amax = ax.max()
@@ -79,6 +79,10 @@ def ref_dequantize(codes, scale_bytes, amax, two_d=False):
     s_b = scale_bytes.view(ml_dtypes.float8_e4m3fn).astype(f32)
     s_b = np.repeat(np.repeat(s_b, 16, 0), 16, 1) if two_d else np.repeat(s_b, 16, 1)
     return (vals * s_b) * (f32(amax) / f32(2688))
+
+
+def _flush(v: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(v) < np.finfo(np.float32).tiny, np.copysign(f32(0), v), v).astype(f32)
 
 
 def ref_rht_last_axis(x: np.ndarray) -> np.ndarray:
