@@ -49,6 +49,7 @@ from nvfp4_jax.config import Config, MeshConfig, make_config  # noqa: E402
 from nvfp4_jax.flops import parameter_count, training_flops_per_step  # noqa: E402
 from nvfp4_jax.model import Llama  # noqa: E402
 from nvfp4_jax.quant import get_recipe, make_dot_general  # noqa: E402
+from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm  # noqa: E402
 from nvfp4_jax.train.build import build_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "step.json"
@@ -63,12 +64,15 @@ def _identity_operand(x, *, axis=-1, two_d=False, rht=False, stochastic=False, k
     return x.astype(jnp.bfloat16), jnp.float32(1.0)
 
 
+IDENTITY_BACKEND = NVFP4Backend("identity", _identity_operand, emulated_gemm)
+
+
 def _identity_model(cfg: Config) -> Llama:
     recipe = get_recipe(cfg.model.quantization)
 
     def factory():
         # A fixed key: the identity operand never draws random bits.
-        return make_dot_general(recipe, jax.random.PRNGKey(0), nvfp4_operand=_identity_operand)
+        return make_dot_general(recipe, jax.random.PRNGKey(0), backend=IDENTITY_BACKEND)
 
     return Llama(cfg.model, mlp_dot_general_cls=factory)
 

@@ -4,10 +4,11 @@ from .formats import E2M1_VALUES, e2m1_values, pack_nibbles, unpack_nibbles
 from .fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from .hadamard import hadamard_matrix, inverse_random_hadamard_transform, random_hadamard_transform
 from .mxfp4 import MXFP4Tensor, dequantize_mxfp4, quantize_mxfp4
+from . import exact
 from .nvfp4 import NVFP4Tensor, dequantize, nvfp4_gemm_operand, quantize_nvfp4, unpack_codes
 
 # The quantized GEMM (issue 3): recipes, the dot_general seam, its Flax module, FP8 state.
-from .dot import make_dot_general
+from .dot import EMULATED, NVFP4Backend, emulated_gemm, make_dot_general
 from .flax_dot import (
     OVERWRITE_WITH_GRADIENT_COLLECTIONS,
     QuantDotGeneral,
@@ -19,6 +20,7 @@ from .recipe import RECIPES, Recipe, get_recipe
 from .te_backend import TEUnavailableError, resolve_backend
 
 __all__ = [
+    "exact",
     "E2M1_VALUES",
     "e2m1_values",
     "pack_nibbles",
@@ -38,6 +40,9 @@ __all__ = [
     "quantize_nvfp4",
     "unpack_codes",
     "make_dot_general",
+    "NVFP4Backend",
+    "EMULATED",
+    "emulated_gemm",
     "OVERWRITE_WITH_GRADIENT_COLLECTIONS",
     "QuantDotGeneral",
     "dot_general_factory",

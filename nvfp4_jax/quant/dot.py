@@ -8,10 +8,17 @@ for its own usage from the high-precision tensor:
     DGRAD  dX = dY  . W^T   dY 1x16 along N (SR)         W^T: the forward's quantized W
     WGRAD  dW = X^T . dY    X^T 1x16 along T (RHT, RN)   dY^T 1x16 along T (RHT, SR)
 
-The emulated GEMM multiplies bf16 operands (an E2M1 value times its E4M3 block scale is exact
-in bf16) with fp32 accumulation, then applies `alpha`, the product of the two per-tensor decode
-scales, in fp32, and rounds to the output dtype. The FP8 and MXFP4 baselines use the same
-structure with their own operands.
+The three GEMMs are written once. What a backend varies is two small functions (STYLE.md,
+practice 15), bundled as an `NVFP4Backend`:
+
+- `operand(x, *, axis, two_d, rht, stochastic, key)`: quantize one GEMM operand. The reference
+  is `nvfp4_gemm_operand` (pure jnp): bf16 values `e2m1(code) * s_b` (exact in bf16) and the
+  fp32 per-tensor decode scale.
+- `gemm(a, b, dimension_numbers, out_dtype)`: run one GEMM on two such operands. The emulated
+  one multiplies the bf16 values with fp32 accumulation, then applies `alpha`, the product of
+  the two decode scales, in fp32, and rounds to the output dtype.
+
+The FP8 and MXFP4 baselines use the same structure with their own operands.
 
 Stochastic-rounding keys: the caller passes one key per step and layer (`QuantDotGeneral`
 draws it from the "quant" rng stream); the DGRAD and WGRAD copies of dY get
@@ -54,12 +61,35 @@ def sr_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.random.fold_in(key, SR_DGRAD), jax.random.fold_in(key, SR_WGRAD)
 
 
+def emulated_gemm(a, b, dimension_numbers, out_dtype):
+    """The emulated NVFP4 GEMM on two `nvfp4_gemm_operand` results `(values, decode_scale)`:
+    bf16 x bf16 products accumulated in fp32, times alpha = the decode scales' product in fp32,
+    rounded to `out_dtype`."""
+    (a_values, a_decode), (b_values, b_decode) = a, b
+    return _gemm(a_values, b_values, a_decode * b_decode, dimension_numbers, out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Backend:
+    """How an NVFP4 recipe's operands are quantized and its GEMMs executed (see module doc).
+
+    `operand` and `gemm` must agree on the operand's form; `name` is what start-up lines print.
+    """
+
+    name: str = "emulated"
+    operand: Callable = nvfp4_gemm_operand
+    gemm: Callable = emulated_gemm
+
+
+EMULATED = NVFP4Backend()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything the custom VJP needs that is not an array (hashable: a nondiff argument)."""
 
     recipe: Recipe
-    nvfp4_operand: Callable
+    backend: NVFP4Backend
     out_dtype: Any
     x_dtype: Any
     w_dtype: Any
@@ -70,7 +100,7 @@ def make_dot_general(
     key: Optional[jax.Array] = None,
     *,
     fp8_meta: Optional[fp8_delayed.FP8Meta] = None,
-    nvfp4_operand: Optional[Callable] = None,
+    backend: NVFP4Backend = EMULATED,
 ) -> DotGeneral:
     """A function with `lax.dot_general`'s signature that runs `recipe`'s quantized GEMMs.
 
@@ -80,7 +110,9 @@ def make_dot_general(
         stochastically. Pass a different key per step and per layer.
       fp8_meta: delayed-scaling FP8 state of this layer (`fp8_delayed.init_fp8_meta`); required
         for "te_fp8_delayedscaling". The gradient with respect to it is the next state.
-      nvfp4_operand: replaces `nvfp4_gemm_operand` (same signature), for tests and experiments.
+      backend: how NVFP4 operands are quantized and GEMMs run (`NVFP4Backend`; default: the
+        pure-jnp reference quantizer and the emulated GEMM). Also the hook for experiments,
+        e.g. an identity quantizer.
 
     Only the dense case is supported: `lhs[..., K]` contracting its last dim with `rhs[K, N]`,
     no batch dims. This pure-function form always emulates; the Transformer Engine backend is
@@ -112,7 +144,6 @@ def make_dot_general(
         raise ValueError(f"{name} keeps no FP8 state; fp8_meta must be None")
     if not recipe.needs_rng:
         key = None
-    operand = nvfp4_operand or nvfp4_gemm_operand
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         # `precision` does not apply: the operands are exact in bf16 and products accumulate
@@ -125,7 +156,7 @@ def make_dot_general(
         out_dtype = jnp.dtype(
             jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
         )
-        static = _Static(recipe, operand, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        static = _Static(recipe, backend, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
         y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta)
         return y.reshape(*lhs.shape[:-1], n)
 
@@ -218,36 +249,33 @@ def _gemm(a, b, alpha, dims, out_dtype):
 
 
 def _nvfp4_fwd(static: _Static, x, w, key, meta):
-    r, quant = static.recipe, static.nvfp4_operand
+    r, quant, gemm = static.recipe, static.backend.operand, static.backend.gemm
     # FPROP  Y = X . W: X 1x16 along K, W in 16x16 tiles (or 1x16 along K), round to nearest.
-    xq, sx = quant(x, axis=1)
-    wq, sw = quant(w, axis=0, two_d=r.two_d_weights)
-    y = _gemm(xq, wq, sx * sw, _FPROP_DIMS, static.out_dtype)
+    xq = quant(x, axis=1)
+    wq = quant(w, axis=0, two_d=r.two_d_weights)
+    y = gemm(xq, wq, _FPROP_DIMS, static.out_dtype)
     # 2D tiles make the quantized W its own transpose: DGRAD reuses it. 1x16 weights must be
     # requantized along N from the high-precision W.
-    w_for_dgrad = (wq, sw) if r.two_d_weights else w
+    w_for_dgrad = wq if r.two_d_weights else w
     return y, (x, w_for_dgrad, key)
 
 
 def _nvfp4_bwd(static: _Static, res, g):
-    r, quant = static.recipe, static.nvfp4_operand
+    r, quant, gemm = static.recipe, static.backend.operand, static.backend.gemm
     x, w_for_dgrad, key = res
     k_dgrad, k_wgrad = sr_keys(key) if r.sr_gradients else (None, None)
     sr = r.sr_gradients
 
     # DGRAD  dX = dY . W^T: dY 1x16 along N (SR); W^T the forward's quantized W.
-    gq, sg = quant(g, axis=1, stochastic=sr, key=k_dgrad)
-    if r.two_d_weights:
-        wq, sw = w_for_dgrad
-    else:
-        wq, sw = quant(w_for_dgrad, axis=1)
-    dx = _gemm(gq, wq, sg * sw, _DGRAD_DIMS, static.x_dtype)
+    gq = quant(g, axis=1, stochastic=sr, key=k_dgrad)
+    wq = w_for_dgrad if r.two_d_weights else quant(w_for_dgrad, axis=1)
+    dx = gemm(gq, wq, _DGRAD_DIMS, static.x_dtype)
 
     # WGRAD  dW = X^T . dY: both 1x16 along tokens, RHT on both (it cancels in the product),
     # SR on dY only.
-    xt, sxt = quant(x, axis=0, rht=r.rht_wgrad)
-    gt, sgt = quant(g, axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad)
-    dw = _gemm(xt, gt, sxt * sgt, _WGRAD_DIMS, static.w_dtype)
+    xt = quant(x, axis=0, rht=r.rht_wgrad)
+    gt = quant(g, axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad)
+    dw = gemm(xt, gt, _WGRAD_DIMS, static.w_dtype)
     return dx, dw, None, None
 
 

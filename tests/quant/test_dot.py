@@ -24,7 +24,7 @@ from nvfp4_jax.quant import (
     quantize_nvfp4,
     unpack_codes,
 )
-from nvfp4_jax.quant.dot import make_dot_general, sr_keys
+from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm, make_dot_general, sr_keys
 from nvfp4_jax.quant.recipe import get_recipe
 
 T, K, N = 32, 64, 32
@@ -289,6 +289,9 @@ def _identity_operand(x, *, axis=-1, two_d=False, rht=False, stochastic=False, k
     return (_rotate_f32(x, axis) if rht else x), jnp.float32(1.0)
 
 
+IDENTITY_BACKEND = NVFP4Backend("identity", _identity_operand, emulated_gemm)
+
+
 def test_rht_cancels_exactly_without_quantization():
     """With the quantizer replaced by identity, WGRAD with RHT equals WGRAD without it.
 
@@ -301,8 +304,8 @@ def test_rht_cancels_exactly_without_quantization():
     g = jnp.asarray(rng.integers(-8, 9, (T, N)), jnp.float32)
     with_rht = get_recipe("te_nvfp4")
     without = dataclasses.replace(with_rht, rht_wgrad=False)
-    outs_rht = _fwd_bwd(with_rht, KEY, x, w, g, nvfp4_operand=_identity_operand)
-    outs_plain = _fwd_bwd(without, KEY, x, w, g, nvfp4_operand=_identity_operand)
+    outs_rht = _fwd_bwd(with_rht, KEY, x, w, g, backend=IDENTITY_BACKEND)
+    outs_plain = _fwd_bwd(without, KEY, x, w, g, backend=IDENTITY_BACKEND)
     exact = np.asarray(x).T.astype(np.float64) @ np.asarray(g)
     assert np.array_equal(np.asarray(outs_rht[2]), exact)
     for a, b in zip(outs_rht, outs_plain):
