@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nvfp4_jax.quant import fp8_delayed, te_backend
-from nvfp4_jax.quant.dot import make_dot_general
+from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, make_dot_general
 from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
 
 RNG_STREAM = "quant"
@@ -47,9 +47,12 @@ class QuantDotGeneral(nn.Module):
 
     Attributes:
       recipe: a `Recipe` or its flag string.
+      nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`dot.NVFP4Backend`);
+        ignored by the other formats.
     """
 
     recipe: Union[Recipe, str] = "te_nvfp4"
+    nvfp4_backend: NVFP4Backend = EMULATED
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -65,7 +68,7 @@ class QuantDotGeneral(nn.Module):
         key = self._sr_key(recipe) if recipe.needs_rng else None
         meta = self._fp8_meta(recipe) if recipe.fp8_delayed else None
         emulated = dataclasses.replace(recipe, backend="emulated")
-        dot_general = make_dot_general(emulated, key, fp8_meta=meta)
+        dot_general = make_dot_general(emulated, key, fp8_meta=meta, backend=self.nvfp4_backend)
         return dot_general(
             lhs, rhs, dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type,
@@ -94,15 +97,17 @@ class QuantDotGeneral(nn.Module):
         return meta
 
 
-def dot_general_factory(recipe: Union[Recipe, str]) -> Optional[Callable[[], QuantDotGeneral]]:
-    """A zero-argument factory of `QuantDotGeneral(recipe)`, or None for the bf16 recipe.
+def dot_general_factory(
+    recipe: Union[Recipe, str], nvfp4_backend: NVFP4Backend = EMULATED
+) -> Optional[Callable[[], QuantDotGeneral]]:
+    """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend)`, or None for bf16.
 
     None means "use `jax.lax.dot_general`", the model's convention for BF16.
     """
     recipe = get_recipe(recipe)
     if recipe.is_bf16:
         return None
-    return functools.partial(QuantDotGeneral, recipe=recipe)
+    return functools.partial(QuantDotGeneral, recipe=recipe, nvfp4_backend=nvfp4_backend)
 
 
 def quant_rngs(key: jax.Array) -> dict:
