@@ -60,10 +60,25 @@ def random_hadamard_transform(x: jax.Array, axis: int = -1) -> jax.Array:
     v = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(pre, blocks, 2, 2, 2, 2, post)
     v = v * _SIGNS_QUARTER.reshape(1, 1, 2, 2, 2, 2, 1)  # diag(s) / 4: exact
     for bit_axis in (5, 4, 3, 2):  # strides 1, 2, 4, 8
+        v = _butterfly_stage(v, bit_axis, contiguous_blocks=post == 1)
+    return v.reshape(x.shape).astype(jnp.bfloat16)
+
+
+def _butterfly_stage(v: jax.Array, bit_axis: int, contiguous_blocks: bool) -> jax.Array:
+    """(a, b) -> (a + b, a - b) for the pairs along the size-2 `bit_axis`.
+
+    Two formulations of the same IEEE adds, chosen for how XLA:CPU vectorizes them: with other
+    elements between a block's (blocks along a major axis, as the WGRAD copies' token axis),
+    `+-v + reversed(v)` (a - b computed as -b + a: the same float) is one select-free loop;
+    with contiguous blocks, slices and a concatenate are faster.
+    """
+    if contiguous_blocks:
         a = lax.index_in_dim(v, 0, bit_axis, keepdims=True)
         b = lax.index_in_dim(v, 1, bit_axis, keepdims=True)
-        v = jnp.concatenate([a + b, a - b], axis=bit_axis)
-    return v.reshape(x.shape).astype(jnp.bfloat16)
+        return jnp.concatenate([a + b, a - b], axis=bit_axis)
+    sign = np.ones((1,) * v.ndim, np.float32).repeat(2, bit_axis)
+    sign[(slice(None),) * bit_axis + (1,)] = -1.0
+    return v * sign + lax.rev(v, (bit_axis,))
 
 
 def inverse_random_hadamard_transform(y: jax.Array, axis: int = -1) -> jax.Array:
