@@ -13,6 +13,7 @@ from nvfp4_jax.quant import (
     quantize_nvfp4,
 )
 from nvfp4_jax.quant import random_hadamard_transform as rht
+from nvfp4_spec import ref_rht_last_axis
 
 # Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
 pytestmark = pytest.mark.usefixtures("arithmetic")
@@ -29,7 +30,7 @@ def sylvester16() -> np.ndarray:
     return h
 
 
-def ref_rht_last_axis(x: np.ndarray) -> np.ndarray:
+def ref_rht_float64(x: np.ndarray) -> np.ndarray:
     """bf16 input, exact float64 products and sums, rounded to float32 then bf16."""
     r = np.diag(SIGNS) @ sylvester16() / 4
     xb = np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -57,14 +58,34 @@ def test_transform_matches_float64_reference(jit):
     x = (rng.integers(-128, 128, (32, 64)) * 2.0**-5).astype(np.float32)
     y = (rht_jit if jit else rht)(jnp.asarray(x), -1)
     assert y.dtype == jnp.bfloat16 and y.shape == x.shape
-    np.testing.assert_array_equal(np.asarray(y), ref_rht_last_axis(x))
+    np.testing.assert_array_equal(np.asarray(y), ref_rht_float64(x))
 
 
 def test_transform_gaussian_bf16_rounding():
     # Ordinary data: fp32 accumulation order can only matter in rare double-rounding cases.
     x = np.asarray(jax.random.normal(jax.random.key(1), (256, 256), jnp.float32))
     y = np.asarray(rht_jit(jnp.asarray(x), -1))
-    assert (y != ref_rht_last_axis(x)).mean() < 1e-4
+    assert (y != ref_rht_float64(x)).mean() < 1e-4
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_transform_is_the_fixed_order_butterfly(jit):
+    # Wide-range bf16 data, where some 16-term sums round in fp32: the result must be the
+    # butterfly's (docs/numerics.md), bitwise, for contiguous blocks (last axis) and for strided
+    # blocks (axis 0, the WGRAD copies), which use different XLA formulations of the same adds.
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((64, 64)) * np.exp(rng.standard_normal((64, 64)) * 6)).astype(np.float32)
+    # Blocks (2**20, 2**-10, -2**20, 0, ...): the butterfly adds 2**-10 to 2**20 first, where
+    # fp32 drops it, then cancels the 2**20s; the exact sum keeps it (outputs +-2**-12, not 0).
+    x[::4, :16] = 0.0
+    x[::4, :3] = [2.0**20, 2.0**-10, -(2.0**20)]
+    want = ref_rht_last_axis(x)
+    exact = ref_rht_float64(x)
+    assert (want.view(np.uint16) != exact.view(np.uint16)).any()  # the order shows here
+    fn = rht_jit if jit else rht
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), -1)).view(np.uint16), want.view(np.uint16))
+    got0 = np.asarray(fn(jnp.asarray(x.T), 0)).T
+    np.testing.assert_array_equal(got0.view(np.uint16), want.view(np.uint16))
 
 
 def test_axes():
