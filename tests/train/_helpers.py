@@ -51,9 +51,16 @@ _HOOKED_MAIN = textwrap.dedent(
 )
 
 
+# Set by conftest.py for the session: the processes share one persistent compilation cache, so
+# only the first compiles (a cached executable computes the same bits).
+COMPILATION_CACHE = {"dir": None}
+
+
 def cli_env(**extra):
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1", **extra)
+    if COMPILATION_CACHE["dir"]:
+        env.update(JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.pop("NVFP4_JAX_DEBUG", None)
     return env
 

@@ -2,7 +2,14 @@
 
 import pytest
 
+import _helpers
 from _helpers import Training, train_losses
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    _helpers.COMPILATION_CACHE["dir"] = str(tmp_path_factory.mktemp("jax-compilation-cache"))
+    return _helpers.COMPILATION_CACHE["dir"]
 
 
 @pytest.fixture(scope="session")

@@ -332,9 +332,10 @@ def _fresh_clone(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization_env", [None, "te_fp8_delayedscaling"])
-def test_example_script_with_arguments_from_a_fresh_clone(tmp_path, quantization_env):
+def test_example_script_with_arguments_from_a_fresh_clone(tmp_path, quantization_env, shared_compilation_cache):
     clone, venv = _fresh_clone(tmp_path)
-    env = dict(os.environ, VENV=str(venv), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, VENV=str(venv), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=shared_compilation_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for name in ("XLA_FLAGS", "NVFP4_JAX_PYTHON", "PYTHONPATH", "QUANTIZATION"):
         env.pop(name, None)  # one CPU device, as a user's machine has; the clone's own package
     if quantization_env:
