@@ -350,9 +350,9 @@ class _Segment:
                     self._evaluate(reached)
             if pending is not None:
                 self._report(pending)
-            if stopped_by is None:
+            if stopped_by is None and reached > self.start:
                 final_eval = self._evaluate(reached)
-            else:
+            elif stopped_by is not None:
                 saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"
                 self.console.info(f"Stopped by {stopped_by} after step {reached} ({saved}); run the same "
                                   "command again to resume.")
@@ -370,6 +370,8 @@ class _Segment:
         records = metrics_lib.read_metrics(metrics_path) if self.console.is_lead else self.history
         train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
         evals = sorted((r["step"], r["eval_loss"]) for r in records if "eval_loss" in r)
+        if final_eval is None and stopped_by is None:  # nothing trained: the run's own last evaluation
+            final_eval = next((loss for step, loss in reversed(evals) if step == reached), None)
         steady = [r["tokens_per_device"] for r in self.history[1:]] or [r["tokens_per_device"] for r in self.history]
         summary = {
             "run_directory": os.path.abspath(self.run_dir),

@@ -79,11 +79,13 @@ def test_every_single_bit_flip_changes_the_checksum():
 
 
 def test_finite_flags_name_the_first_bad_leaf():
-    tree = {"a": jnp.ones(3), "b": {"c": jnp.array([1.0, jnp.inf]), "d": jnp.array([jnp.nan])},
-            "e": jnp.arange(3)}
+    tree = {"a": jnp.ones(3), "b": {"c": jnp.array([1.0, jnp.inf]), "d": jnp.array([jnp.nan, 1.0, -2.0]),
+                                    "e": jnp.array([-jnp.inf, 0.0])},
+            "f": jnp.arange(3), "g": jnp.zeros((0, 4)), "h": jnp.array([3e38, -3e38], jnp.float32),
+            "i": jnp.array([1.0, jnp.nan], jnp.bfloat16)}
     paths = integrity.leaf_paths(tree)
-    assert paths == ["a", "b/c", "b/d", "e"]
+    assert paths == ["a", "b/c", "b/d", "b/e", "f", "g", "h", "i"]
     flags = jax.jit(integrity.finite_flags)(tree)
-    assert np.asarray(flags).tolist() == [True, False, False, True]
+    assert np.asarray(flags).tolist() == [True, False, False, False, True, True, True, False]
     assert integrity.first_non_finite(paths, flags) == "b/c"
     assert integrity.first_non_finite(paths, [True] * 4) is None
