@@ -69,10 +69,6 @@ def save(manager: ocp.CheckpointManager, state, record: dict[str, Any]) -> None:
         )
 
 
-def latest_step(manager: ocp.CheckpointManager) -> int | None:
-    return manager.latest_step()
-
-
 def read_record(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """The JSON record of `step` alone (config, data position, checksums), without the state."""
     try:

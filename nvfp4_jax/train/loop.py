@@ -116,6 +116,9 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         )
         for split in ("train", "eval")
     }
+    console.info(f"data: {datasets['train'].describe()}; {datasets['eval'].describe()}")
+    for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
+        console.warn(f"warning: {warning}")
     run_dir = _make_run_directory(cfg)
     lock = run_lock.hold(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
     with lock, shutdown.StopRequest(announce=console.warn) as stop:
@@ -303,9 +306,6 @@ class _Segment:
             tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
             num_devices=self.mesh.devices.size,
         )
-        self.console.info(f"data: {self.train_data.describe()}; {self.eval_data.describe()}")
-        for warning in dict.fromkeys(self.train_data.warnings + self.eval_data.warnings):
-            self.console.warn(f"warning: {warning}")
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.console.is_lead:
             self.writer = metrics_lib.MetricsWriter(metrics_path, start=self.start)
@@ -363,6 +363,8 @@ class _Segment:
                 self.console.bar.close()
             if self.writer:
                 self.writer.close()
+            if self.manager is not None:
+                self.manager.close()
         return self._summary(metrics_path, reached, final_eval, stopped_by)
 
     def _summary(self, metrics_path: str, reached: int, final_eval, stopped_by) -> dict[str, Any]:

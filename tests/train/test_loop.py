@@ -179,8 +179,11 @@ def test_resume_with_changed_keys_is_refused_before_anything_is_written(tmp_path
     assert _files(run_dir) == before
 
 
-def test_a_locked_run_directory_is_refused_before_anything_is_written(tmp_path):
-    cfg = _config(tmp_path, "steps=2")
+def test_a_locked_run_directory_is_refused_before_anything_is_written(tmp_path, capsys):
+    # 32-bit ids read as uint16: the warning comes first, before the lock is even tried.
+    ids = tmp_path / "ids.bin"
+    np.random.default_rng(0).integers(0, 256, size=20_000).astype(np.uint32).tofile(ids)
+    cfg = _config(tmp_path, "steps=2", "dataset_type=tokens", f"dataset_path={ids}")
     run_dir = loop.run_directory(cfg)
     os.makedirs(run_dir)
     holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -190,6 +193,7 @@ def test_a_locked_run_directory_is_refused_before_anything_is_written(tmp_path):
         with pytest.raises(run_lock.RunLockedError, match=rf"in use by pid {holder.pid} on host"):
             run(cfg, progress=False, devices=ONE_DEVICE)
         assert os.listdir(run_dir) == [run_lock.LOCK_NAME]
+        assert re.search(r"^warning: .*ids.bin: every odd token id .* is 0", capsys.readouterr().err, re.M)
     finally:
         holder.stdin.close()
         holder.wait()
@@ -401,7 +405,7 @@ def test_user_errors_are_one_line_and_exit_2_before_compiling(tmp_path, args, me
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(message, lines[0]), out.stderr
-    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path.parent.parent / "escaped")
+    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path.parent / "escaped")
 
 
 def test_debug_shows_the_traceback(tmp_path):
