@@ -37,10 +37,12 @@ def finite_flags(tree: Any) -> jax.Array:
 
     Meant to be traced inside the train step, so the check rides along with the step's metrics.
     """
-    # max|x| is finite iff every element is (XLA's max propagates NaN), and a float max
-    # reduction vectorises where an all() over booleans does not: ~4x cheaper on CPU.
+    # sum(x * 0) is 0 when every element is finite and NaN otherwise (0 * inf = NaN, and a sum
+    # always propagates NaN, however it is vectorised; a max need not). A float sum vectorises
+    # where an all() over booleans does not: ~2.5x cheaper on CPU.
     flags = [
-        jnp.isfinite(jnp.max(jnp.abs(x))) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size else jnp.asarray(True)
+        jnp.isfinite(jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32))
+        if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.asarray(True)
         for x in jax.tree.leaves(tree)
     ]
     return jnp.stack(flags) if flags else jnp.zeros((0,), bool)

@@ -88,4 +88,18 @@ def test_finite_flags_name_the_first_bad_leaf():
     flags = jax.jit(integrity.finite_flags)(tree)
     assert np.asarray(flags).tolist() == [True, False, False, False, True, True, True, False]
     assert integrity.first_non_finite(paths, flags) == "b/c"
-    assert integrity.first_non_finite(paths, [True] * 4) is None
+    assert integrity.first_non_finite(paths, [True] * 8) is None
+
+
+def test_finite_flags_see_one_bad_element_anywhere_in_a_large_array():
+    # Vectorised reductions split an array into lanes; a NaN in any lane must still count.
+    flags = jax.jit(integrity.finite_flags)
+    x = np.random.default_rng(5).standard_normal((128, 96)).astype(np.float32)
+    assert np.asarray(flags([x])).tolist() == [True]
+    rng = np.random.default_rng(6)
+    positions = [(0, 0), (0, 1), (127, 95), (64, 17)] + [tuple(rng.integers(0, [128, 96])) for _ in range(12)]
+    for bad in (np.nan, np.inf, -np.inf):
+        for pos in positions:
+            y = x.copy()
+            y[pos] = bad
+            assert np.asarray(flags([y, y.astype(ml_dtypes.bfloat16)])).tolist() == [False, False], (bad, pos)
