@@ -24,14 +24,28 @@ CLI_ARGS = [
     "checkpoint_period=2", "run_name=run",
 ]
 
-# The training command with orbax's commit of a checkpoint (the rename of its temporary folder)
-# hooked: when the step being committed is HOLD_SAVE_AT (or any step, for "any"), the process
-# prints "INSIDE_SAVE <step> <temporary folder>" and waits there, inside the save, with the
-# arrays written but not committed, until a signal ends it.
+# The training command with two hooks, so that a test knows where the process is:
+# - HOLD_SAVE_AT: when the step orbax commits (renames its temporary folder) is this one (or any
+#   step, for "any"), print "INSIDE_SAVE <step> <temporary folder>" and wait there, inside the
+#   save, with the arrays written but not committed, until a signal ends the process.
+# - HOLD_BATCH_AT: before loading the training batch of this step index, print
+#   "WAITING_AT_BATCH <step>" and wait for a line on stdin (`Training.release`).
 _HOOKED_MAIN = textwrap.dedent(
     """
     import os, sys, time
     from orbax.checkpoint._src.path import atomicity
+    import nvfp4_jax.data as data
+
+    hold_batch_at = os.environ.get("HOLD_BATCH_AT", "")
+    load_batch = data.TokenBatches.batch
+
+    def batch(self, step, *args, **kwargs):
+        if self.split == "train" and str(step) == hold_batch_at:
+            print(f"WAITING_AT_BATCH {step}", flush=True)
+            sys.stdin.readline()
+        return load_batch(self, step, *args, **kwargs)
+
+    data.TokenBatches.batch = batch
 
     hold_at = os.environ.get("HOLD_SAVE_AT", "")
     commit = atomicity.AtomicRenameTemporaryPath.finalize
@@ -68,14 +82,15 @@ def cli_env(**extra):
 class Training:
     """A training process started with `CLI_ARGS` + extra args in `out_dir`."""
 
-    def __init__(self, out_dir, *extra, hold_save_at=None):
+    def __init__(self, out_dir, *extra, hold_save_at=None, hold_batch_at=None):
         self.run_dir = os.path.join(str(out_dir), "run")
         self.stderr_path = os.path.join(str(out_dir), f"stderr-{time.monotonic_ns()}.txt")
-        env = cli_env(**({"HOLD_SAVE_AT": str(hold_save_at)} if hold_save_at is not None else {}))
+        hooks = {"HOLD_SAVE_AT": hold_save_at, "HOLD_BATCH_AT": hold_batch_at}
+        env = cli_env(**{k: str(v) for k, v in hooks.items() if v is not None})
         with open(self.stderr_path, "w") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _HOOKED_MAIN, *CLI_ARGS, f"base_output_directory={out_dir}", *extra],
-                env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
             )
         self.stdout: list[str] = []
 
@@ -99,6 +114,11 @@ class Training:
             if line.startswith(prefix):
                 return line.rstrip("\n")
         pytest.fail(f"no line starting {prefix!r}; stdout: {self.stdout[-5:]}; stderr: {self.stderr[-2000:]}")
+
+    def release(self) -> None:
+        """Lets a process waiting at HOLD_BATCH_AT go on."""
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
 
     def finish(self, timeout: float = 300) -> int:
         out, _ = self.proc.communicate(timeout=timeout)

@@ -13,34 +13,37 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigterm_finishes_the_step_saves_and_resume_continues_exactly(tmp_path, reference_losses):
-    stopped = Training(tmp_path, "checkpoint_period=100")  # no periodic checkpoint before the signal
-    stopped.wait_for("completed step: 2,")
-    stopped.proc.send_signal(signal.SIGTERM)
+    # No periodic checkpoint; the process waits before loading the batch of its third step.
+    stopped = Training(tmp_path, "checkpoint_period=100", hold_batch_at=2)
+    stopped.wait_for("WAITING_AT_BATCH 2")
+    stopped.proc.send_signal(signal.SIGTERM)  # mid-run: steps 1 and 2 done, 3 about to start
+    stopped.release()
     assert stopped.finish() == 75, stopped.stderr[-3000:]
     assert "received SIGTERM: finishing the current step" in stopped.stderr
     summary = json.load(open(os.path.join(stopped.run_dir, "summary.json")))
-    at = summary["step_reached"]
-    assert summary["stopped_by"] == "SIGTERM" and 2 <= at < 6
+    assert summary["stopped_by"] == "SIGTERM" and summary["step_reached"] == 3  # finished step 3, no more
     assert summary["final_eval_loss"] is None  # no evaluation on the way out
-    assert f"Stopped by SIGTERM after step {at} (saved checkpoint step {at})" in "\n".join(stopped.stdout)
-    assert os.listdir(os.path.join(stopped.run_dir, "checkpoints")) == [str(at)]
-    assert sorted(train_losses(stopped.run_dir)) == list(range(1, at + 1))
+    assert "Stopped by SIGTERM after step 3 (saved checkpoint step 3)" in "\n".join(stopped.stdout)
+    assert os.listdir(os.path.join(stopped.run_dir, "checkpoints")) == ["3"]
+    assert sorted(train_losses(stopped.run_dir)) == [1, 2, 3]
     assert not os.path.exists(os.path.join(stopped.run_dir, "run.lock"))  # released
 
     resumed = Training(tmp_path, "checkpoint_period=100")
     assert resumed.finish() == 0, resumed.stderr[-3000:]
-    assert f"Resumed from checkpoint step {at} " in "\n".join(resumed.stdout)
+    assert "Resumed from checkpoint step 3 " in "\n".join(resumed.stdout)
     assert train_losses(resumed.run_dir) == reference_losses  # each step once, bit-identical
     segments = {r["step"]: r["segment"] for r in read_metrics(resumed.run_dir) if "loss" in r}
-    assert segments == {s: 0 if s <= at else 1 for s in range(1, 7)}
+    assert segments == {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1}
 
 
 def test_a_second_signal_exits_at_once(tmp_path):
     # Every save pauses inside itself, so the graceful stop cannot finish on its own.
-    proc = Training(tmp_path, "checkpoint_period=100", hold_save_at="any")
-    proc.wait_for("completed step: 1,")
+    proc = Training(tmp_path, "checkpoint_period=100", hold_save_at="any", hold_batch_at=1)
+    proc.wait_for("WAITING_AT_BATCH 1")
     proc.proc.send_signal(signal.SIGINT)
-    proc.wait_for("INSIDE_SAVE")  # the first signal's save is under way
+    proc.release()
+    # Saving step 2 (not 6) shows the first signal was taken: the stop's save is under way.
+    assert proc.wait_for("INSIDE_SAVE").split()[1] == "2"
     proc.proc.send_signal(signal.SIGINT)
     assert proc.finish(timeout=60) == -signal.SIGINT  # ended by the signal itself, not by the loop
     assert "received SIGINT" in proc.stderr
