@@ -129,6 +129,25 @@ def test_verify_finds_any_changed_element_and_names_its_leaf(tmp_path):
         checkpoint.verify(nan, {"step": 1})
 
 
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_truncated_or_missing_files_fall_back_to_the_next_newest(tmp_path, damage):
+    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=3)
+    for step in (1, 2):
+        checkpoint.save(manager, _state(step, float(step), seed=step), {"step": step})
+    files = [os.path.join(r, f) for r, _, names in os.walk(os.path.join(tmp_path, "2", "state")) for f in names]
+    largest = max(files, key=os.path.getsize)
+    if damage == "truncate":
+        os.truncate(largest, os.path.getsize(largest) // 2)
+    else:
+        os.remove(largest)
+    rejected = []
+    restored = checkpoint.restore_newest(checkpoint.make_manager(str(tmp_path), max_to_keep=3),
+                                         _abstract(_state(0, 0.0)), check_record=lambda s, r: None,
+                                         on_reject=lambda step, why: rejected.append(step))
+    assert rejected == [2] and restored.step == 1
+    _assert_same(_state(1, 1.0, seed=1), restored.state)
+
+
 def test_every_checkpoint_damaged_is_an_error_listing_them(tmp_path):
     manager = checkpoint.make_manager(str(tmp_path), max_to_keep=3)
     for step in (1, 2):
