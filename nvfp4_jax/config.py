@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -107,6 +108,9 @@ class TrainConfig:
     enable_checkpointing: bool = True
     checkpoint_period: int = 100
     max_checkpoints_to_keep: int = 3
+    # On resume, a newest checkpoint that cannot be read or fails verification is set aside and
+    # the next newest intact one restored; false stops the run instead.
+    checkpoint_fallback: bool = True
     profiler: str = ""
     profile_start_step: int = 5
     profile_steps: int = 3
@@ -132,6 +136,19 @@ class Config:
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
 
+
+# Keys a resumed run may change: they steer logging, checkpointing, profiling, where the run
+# lives and how it is laid out on devices, not what it computes (the global batch is checked
+# separately). `steps` stretches the learning-rate schedule from the resume on. Any other key
+# that differs from the checkpoint's stops the resume (see `resume_differences`).
+RESUME_MUTABLE_KEYS = (
+    "steps", "log_period", "eval_interval", "eval_steps", "checkpoint_period",
+    "max_checkpoints_to_keep", "checkpoint_fallback", "profiler",
+    "profile_start_step", "profile_steps", "quantization_end_step", "run_name",
+    "base_output_directory", "per_device_batch_size", "ici_data_parallelism",
+    "ici_fsdp_parallelism", "dcn_data_parallelism", "coordinator_address", "num_processes",
+    "process_id",
+)
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 # Flat key -> section name.
@@ -208,6 +225,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
 
 
 def _resolve_key(key: str) -> tuple[str, str]:
+    if not isinstance(key, str):
+        raise ConfigError(f"Config key {key!r} must be a name such as steps or learning_rate.")
     if "." in key:
         section, name = key.split(".", 1)
         if section not in _SECTION_CLASSES:
@@ -238,8 +257,20 @@ def parse_overrides(args: Sequence[str]) -> dict[str, str]:
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise ConfigError(f"Config file {path!r} does not exist.")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    if os.path.isdir(path):
+        raise ConfigError(f"Config file {path!r} is a directory; give a .yml file.")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"Config file {path!r} cannot be read: {exc.strerror}.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"Config file {path!r} is not UTF-8 text.") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"Config file {path!r} is not valid YAML{where}: {problem}.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {path!r} must hold a mapping of key: value, got {type(data).__name__}.")
     return data
@@ -287,9 +318,27 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}.")
 
 
+def _block_size(flag: str) -> int | None:
+    """Elements per block scale of a quantization flag (None: per-tensor or no scaling)."""
+    if flag in ("", "bf16") or "fp8" in flag:
+        return None
+    return 32 if flag == "mxfp4" else 16
+
+
+def _check_run_name(name: str) -> None:
+    parts = name.replace("\\", "/").split("/")
+    _check(not os.path.isabs(name) and ".." not in parts, "run_name", name,
+           "a name (or relative sub-path) inside base_output_directory, without '..' or a leading '/'")
+
+
 def validate(cfg: Config) -> None:
     """Raises ConfigError for values no run can use. Pure: looks at the config only."""
     m, d, t, mesh = cfg.model, cfg.data, cfg.train, cfg.mesh
+    for section in (m, d, t, mesh):
+        for field in dataclasses.fields(section):
+            value = getattr(section, field.name)
+            if isinstance(value, float):
+                _check(math.isfinite(value), field.name, value, "must be a finite number")
     for key in ("vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
                 "head_dim", "base_mlp_dim", "base_num_decoder_layers", "max_target_length"):
         _check(getattr(m, key) > 0, key, getattr(m, key), "must be a positive integer")
@@ -313,6 +362,13 @@ def validate(cfg: Config) -> None:
         for key in ("base_emb_dim", "base_mlp_dim"):
             _check(getattr(m, key) % block == 0, key, getattr(m, key),
                    f"quantization={m.quantization!r} needs a multiple of {block}")
+    block = _block_size(m.quantization)
+    if block:  # the quantized GEMMs block the tokens of each sequence too (WGRAD contracts them)
+        _check(m.max_target_length % block == 0, "max_target_length", m.max_target_length,
+               f"quantization={m.quantization!r} needs a multiple of {block} (tokens per block scale)")
+    for key in ("rope_max_timescale", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position", "normalization_layer_epsilon"):
+        _check(getattr(m, key) > 0, key, getattr(m, key), "must be > 0")
     _check(d.dataset_type in DATASET_TYPES, "dataset_type", d.dataset_type,
            f"choose one of {list(DATASET_TYPES)}")
     if d.dataset_type in ("text", "tokens"):
@@ -325,6 +381,16 @@ def validate(cfg: Config) -> None:
                 "checkpoint_period", "max_checkpoints_to_keep", "profile_steps"):
         _check(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     _check(t.learning_rate > 0, "learning_rate", t.learning_rate, "must be > 0")
+    for key in ("adam_b1", "adam_b2"):
+        _check(0.0 <= getattr(t, key) < 1.0, key, getattr(t, key), "must lie in [0, 1)")
+    _check(t.adam_eps > 0, "adam_eps", t.adam_eps,
+           "must be > 0 (with 0, a parameter whose gradient is exactly 0 gets 0/0 = NaN)")
+    _check(t.adam_weight_decay >= 0, "adam_weight_decay", t.adam_weight_decay, "must be >= 0")
+    _check(t.quantization_end_step >= -1, "quantization_end_step", t.quantization_end_step,
+           "must be a step >= 0, or -1 (never)")
+    _check(bool(t.base_output_directory), "base_output_directory", t.base_output_directory,
+           "must name a directory")
+    _check_run_name(t.run_name)
     _check(0.0 <= t.warmup_steps_fraction < 1.0, "warmup_steps_fraction",
            t.warmup_steps_fraction, "must lie in [0, 1)")
     _check(0.0 <= t.cosine_learning_rate_final_fraction <= 1.0,
@@ -352,3 +418,15 @@ def from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
     """Inverse of `to_dict` (reads a saved config.json)."""
     flat = {f"{section}.{k}": v for section, keys in data.items() for k, v in keys.items()}
     return make_config(flat)
+
+
+def resume_differences(saved: Mapping[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, new value) for each key outside RESUME_MUTABLE_KEYS that differs
+    between a checkpoint's stored config (the `to_dict` form) and `cfg`. A key present on only
+    one side (a config from another version) counts as different."""
+    absent = "(not recorded)"
+    old = {k: v for section in saved.values() if isinstance(section, Mapping) for k, v in section.items()}
+    new = {k: v for section in to_dict(cfg).values() for k, v in section.items()}
+    keys = list(new) + [k for k in old if k not in new]
+    return [(k, old.get(k, absent), new.get(k, absent)) for k in keys
+            if k not in RESUME_MUTABLE_KEYS and old.get(k, absent) != new.get(k, absent)]

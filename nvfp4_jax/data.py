@@ -73,6 +73,8 @@ class TokenBatches:
     vocab_size: int
     tokens: np.ndarray | None
     token_range: tuple[int, int]
+    # Things about the data a user should hear about but that do not stop a run.
+    warnings: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int | None:
@@ -129,7 +131,7 @@ class TokenBatches:
 def _open_file(path: str, dtype: np.dtype, kind: str) -> np.ndarray:
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset_type={kind!r}: dataset_path {path!r} does not exist or is not a file.")
+        raise DataError(f"dataset_type={kind!r}: dataset_path {path!r} does not exist or is not a file.")
     size = os.path.getsize(path)
     if size % dtype.itemsize:
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
@@ -137,6 +139,22 @@ def _open_file(path: str, dtype: np.dtype, kind: str) -> np.ndarray:
     if size == 0:
         return np.zeros((0,), dtype)  # np.memmap cannot map an empty file.
     return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _width_warning(tokens: np.ndarray, name: str) -> str | None:
+    """A warning when 16-bit ids look like the halves of wider ones (every odd or every even id
+    zero, the other half not): a uint32 or int32 file read with token_dtype=uint16."""
+    if tokens.dtype.itemsize != 2:
+        return None
+    sample = np.asarray(tokens[:min(len(tokens), 1 << 20) // 2 * 2]).reshape(-1, 2)
+    if len(sample) < 32:
+        return None
+    low_zero, high_zero = not sample[:, 0].any(), not sample[:, 1].any()
+    if low_zero == high_zero:
+        return None
+    which = "odd" if high_zero else "even"
+    return (f"{name}: every {which} token id of the first {2 * len(sample):,} is 0, as when 32-bit "
+            f"ids are read as {tokens.dtype.name}; is token_dtype right (uint32 or int32)?")
 
 
 def _check_ids(tokens: np.ndarray, start: int, stop: int, vocab_size: int, name: str, split: str) -> None:
@@ -154,8 +172,9 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
                  vocab_size: int) -> TokenBatches:
     """The batches of `split` ("train" or "eval") of the source `data_cfg` describes.
 
-    Raises FileNotFoundError for a missing file and DataError for a file whose ids do not fit
-    `vocab_size` or whose split is shorter than one `seq_len + 1` window.
+    Raises DataError for a missing file, a file whose ids do not fit `vocab_size` or a split
+    shorter than one `seq_len + 1` window. `warnings` holds softer findings (ids that look like a
+    wider dtype read as a narrower one).
     """
     if split not in SPLITS:
         raise DataError(f"split={split!r}: choose one of {list(SPLITS)}.")
@@ -186,4 +205,6 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
             f"eval_fraction={data_cfg.eval_fraction}), but seq_len={seq_len} needs at least "
             f"{seq_len + 1} per example.")
     _check_ids(tokens, start, stop, vocab_size, name, split)
-    return TokenBatches(name=name, tokens=tokens, token_range=(start, stop), **common)
+    warning = _width_warning(tokens, name)
+    return TokenBatches(name=name, tokens=tokens, token_range=(start, stop),
+                        warnings=(warning,) if warning else (), **common)

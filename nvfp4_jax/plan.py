@@ -114,19 +114,16 @@ def format_plan(cfg: Config, plan: Plan) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nvfp4_jax.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--num-devices", type=int, default=None,
-                        help="devices to plan for (default: the product of the mesh keys)")
+                        help="devices to plan for (default: the product of the mesh keys, or with a -1 "
+                             "mesh key, the devices of this machine)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(rest)
         num_devices = args.num_devices
         if num_devices is None:
             axes = (cfg.mesh.dcn_data_parallelism, cfg.mesh.ici_data_parallelism, cfg.mesh.ici_fsdp_parallelism)
-            if -1 in axes:
-                raise ConfigError(
-                    "The plan needs a device count: give --num-devices N, or set every mesh key "
-                    "(ici_fsdp_parallelism, ici_data_parallelism, dcn_data_parallelism) to a positive size."
-                )
-            num_devices = math.prod(axes)
+            # With a -1 axis, plan as a run would: for the devices this machine has.
+            num_devices = jax.device_count() if -1 in axes else math.prod(axes)
         plan = make_plan(cfg, num_devices)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ cd "$root"
 if [ -n "${NVFP4_JAX_PYTHON:-}" ]; then
   PY="$NVFP4_JAX_PYTHON"          # e.g. the container's python, package already installed
 else
+  NVFP4_JAX_EXTRAS=""             # the package alone; setup_env.sh never reads our arguments
   source scripts/setup_env.sh
 fi
 
@@ -35,4 +36,4 @@ fi
 
 args=()
 if [ -n "${QUANTIZATION:-}" ]; then args+=("quantization=$QUANTIZATION"); fi
-exec "$PY" -m nvfp4_jax.train "$config" "${args[@]}" "$@"
+exec "$PY" -m nvfp4_jax.train "$config" ${args[@]+"${args[@]}"} "$@"

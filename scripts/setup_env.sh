@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtual environment and installs the package into it.
-# Usage: source scripts/setup_env.sh [EXTRAS]   (EXTRAS e.g. "test"; default none)
+# Usage: NVFP4_JAX_EXTRAS=test source scripts/setup_env.sh   (extras: default none)
 # Sets PY to the environment's python. VENV overrides the location (default: .venv).
+# The extras come from NVFP4_JAX_EXTRAS, never from arguments: a script that sources this file
+# without arguments passes its own ("steps=5") through as $1.
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$_root/.venv}"
-_extras="${1:-}"
+_extras="${NVFP4_JAX_EXTRAS:-}"
+if [[ ! "$_extras" =~ ^[A-Za-z0-9_,-]*$ ]]; then
+  echo "[setup] error: NVFP4_JAX_EXTRAS='$_extras' is not a comma-separated list of extras (e.g. test)" >&2
+  return 2 2>/dev/null || exit 2
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtual environment in $VENV"
   python3 -m venv "$VENV"

@@ -3,5 +3,6 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh tests/quant -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh test
+NVFP4_JAX_EXTRAS=test
+source scripts/setup_env.sh
 exec "$PY" -m pytest -q "$@"

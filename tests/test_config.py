@@ -48,6 +48,22 @@ def test_model_preset_applies_under_explicit_keys():
         (["dataset_type=text"], r"dataset_path.*needs a file path"),
         (["steps=3", "oops"], r"Expected key=value, got .oops."),
         (["bf16_first_layers=3", "bf16_last_layers=2"], r"bf16_first_layers \+ bf16_last_layers"),
+        (["adam_eps=0"], r"adam_eps=0.0 .*must be > 0"),
+        (["adam_b1=2"], r"adam_b1=2.0 .*\[0, 1\)"),
+        (["adam_b2=1"], r"adam_b2=1.0 .*\[0, 1\)"),
+        (["adam_b1=-0.1"], r"adam_b1=-0.1 .*\[0, 1\)"),
+        (["adam_weight_decay=-0.1"], r"adam_weight_decay=-0.1 .*>= 0"),
+        (["learning_rate=inf"], r"learning_rate=inf .*finite"),
+        (["learning_rate=nan"], r"learning_rate=nan .*finite"),
+        (["eval_fraction=nan"], r"eval_fraction=nan .*finite"),
+        (["normalization_layer_epsilon=0"], r"normalization_layer_epsilon=0.0 .*> 0"),
+        (["quantization_end_step=-5"], r"quantization_end_step=-5"),
+        (["quantization=te_nvfp4", "max_target_length=60"], r"max_target_length=60 .*multiple of 16"),
+        (["quantization=mxfp4", "max_target_length=48"], r"max_target_length=48 .*multiple of 32"),
+        (["run_name=../../x"], r"run_name='../../x' .*inside base_output_directory"),
+        (["run_name=a/../../x"], r"run_name='a/../../x'"),
+        (["run_name=/tmp/x"], r"run_name='/tmp/x'"),
+        (["base_output_directory="], r"base_output_directory=''"),
     ],
 )
 def test_bad_config_is_a_clear_error(args, pattern):
@@ -58,6 +74,63 @@ def test_bad_config_is_a_clear_error(args, pattern):
 def test_missing_yaml_file_is_named():
     with pytest.raises(ConfigError, match="nope.yml"):
         load_config(["nope.yml"])
+
+
+@pytest.mark.parametrize("args", [["quantization=te_fp8_delayedscaling", "max_target_length=60"],
+                                  ["quantization=bf16", "max_target_length=60"],
+                                  ["run_name=group/run-1"]])
+def test_values_that_only_look_odd_are_accepted(args):
+    load_config(args)
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        ("steps: [1, 2\n", r"not valid YAML at line 2"),
+        ("steps: 3\n  bad: indent\n", r"not valid YAML at line 2"),
+        ("- steps\n", r"must hold a mapping"),
+        ("1: 3\n", r"Config key 1 must be a name"),
+        (b"\xff\xfe steps: 1", r"not UTF-8"),
+    ],
+)
+def test_bad_yaml_is_a_clear_error(tmp_path, text, pattern):
+    path = tmp_path / "c.yml"
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    with pytest.raises(ConfigError, match=pattern):
+        load_config([str(path)])
+
+
+def test_a_directory_as_yaml_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config([str(tmp_path)])
+
+
+def test_block_sizes_match_the_recipes():
+    from nvfp4_jax.quant import get_recipe
+
+    for flag in config_lib.QUANTIZATION_FLAGS:
+        assert config_lib._block_size(flag) == get_recipe(flag).block_size, flag
+
+
+def test_resume_mutable_keys_are_real_keys():
+    assert set(config_lib.RESUME_MUTABLE_KEYS) <= set(config_lib.KEY_SECTIONS)
+    # What a run computes may never change under a resume.
+    for key in ("quantization", "learning_rate", "seed", "base_emb_dim", "dataset_type", "adam_eps"):
+        assert key not in config_lib.RESUME_MUTABLE_KEYS
+
+
+def test_resume_differences_lists_exactly_the_immutable_changes():
+    old = load_config(["quantization=te_nvfp4", "steps=10", "seed=1"])
+    new = load_config(["quantization=bf16", "steps=20", "seed=2", "log_period=3", "learning_rate=1e-3"])
+    diffs = config_lib.resume_differences(config_lib.to_dict(old), new)
+    assert diffs == [("quantization", "te_nvfp4", "bf16"), ("learning_rate", 3e-3, 1e-3), ("seed", 1, 2)]
+    assert config_lib.resume_differences(config_lib.to_dict(old), old) == []
+    # A key one side does not know (another version's config) is a difference, not a guess.
+    saved = config_lib.to_dict(old)
+    del saved["model"]["bf16_last_layers"]
+    saved["model"]["retired_key"] = 1
+    assert config_lib.resume_differences(saved, old) == [
+        ("bf16_last_layers", "(not recorded)", 0), ("retired_key", 1, "(not recorded)")]
 
 
 def test_json_round_trip(tmp_path):

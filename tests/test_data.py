@@ -170,8 +170,35 @@ def test_short_or_missing_files_are_errors(tmp_path):
     odd.write_bytes(b"\x00" * 101)
     with pytest.raises(data.DataError, match="not a whole number of uint16"):
         _make(DataConfig(dataset_type="tokens", dataset_path=str(odd)))
-    with pytest.raises(FileNotFoundError, match="nope.bin"):
+    with pytest.raises(data.DataError, match="nope.bin.*does not exist"):
         _make(DataConfig(dataset_type="tokens", dataset_path=str(tmp_path / "nope.bin")))
+    with pytest.raises(data.DataError, match="is not a file"):
+        _make(DataConfig(dataset_type="text", dataset_path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("wide", [np.uint32, np.int32])
+def test_wide_ids_read_as_uint16_are_warned_about(tmp_path, wide):
+    ids = np.random.default_rng(0).integers(0, 5_000, size=4_000).astype(wide)
+    path = tmp_path / "ids.bin"
+    ids.tofile(path)
+    narrow = _make(DataConfig(dataset_type="tokens", dataset_path=str(path), token_dtype="uint16"), vocab_size=5_000)
+    # Little-endian: each 32-bit id reads as (id, 0), so every odd 16-bit id is 0.
+    assert not narrow.tokens[1::2].any()
+    assert len(narrow.warnings) == 1
+    assert re.search(r"every odd token id of the first 8,000 is 0.*token_dtype", narrow.warnings[0])
+    right = _make(DataConfig(dataset_type="tokens", dataset_path=str(path), token_dtype=np.dtype(wide).name),
+                  vocab_size=5_000)
+    assert right.warnings == ()
+
+
+def test_genuine_uint16_ids_are_not_warned_about(tmp_path):
+    path = tmp_path / "ids.bin"
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, 5_000, size=4_000).astype(np.uint16)
+    ids[::7] = 0  # zeros, but not in every other position
+    ids.tofile(path)
+    assert _make(DataConfig(dataset_type="tokens", dataset_path=str(path)), vocab_size=5_000).warnings == ()
+    assert _make().warnings == ()  # byte corpora are never wider ids
 
 
 def test_synthetic_ids_in_range_and_deterministic():

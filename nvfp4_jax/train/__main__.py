@@ -1,34 +1,75 @@
-"""`python -m nvfp4_jax.train [config.yml] [key=value ...]`: the training entry point."""
+"""`python -m nvfp4_jax.train [--debug] [config.yml] [key=value ...]`: the training entry point.
+
+Exit codes:
+  0   the run finished (or was already finished)
+  1   an internal error: a bug, reported with its traceback
+  2   something the user can fix, reported as one `error: ...` line before anything compiles:
+      config, YAML, data, shapes, output paths, a resume whose config differs from the
+      checkpoint's, a run directory locked by another live process
+  3   a step went non-finite (loss, gradient norm or state); nothing after the last good
+      checkpoint was saved
+  4   a checkpoint problem: no intact checkpoint to resume from (all damaged, or the newest
+      damaged and checkpoint_fallback=false), or a save that failed
+  75  stopped by SIGTERM or SIGINT after saving a checkpoint; rerun the same command to resume
+      (EX_TEMPFAIL: "try again later"). A second signal ends the process at once, by the signal.
+
+`--debug` (or NVFP4_JAX_DEBUG=1) adds the traceback to the one-line errors.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from nvfp4_jax.config import ConfigError, load_config
 
+EXIT_OK, EXIT_INTERNAL, EXIT_USER, EXIT_NON_FINITE, EXIT_NO_CHECKPOINT, EXIT_STOPPED = 0, 1, 2, 3, 4, 75
+
+
+def _fail(exc: BaseException, code: int, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(exc)
+    print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+    return code
+
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("NVFP4_JAX_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:
+        argv.remove("--debug")
+        debug = True
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return EXIT_OK
+    options = [a for a in argv if a.startswith("--")]
+    if options:
+        return _fail(ConfigError(f"Unknown option {options[0]!r}; the only option is --debug."), EXIT_USER, debug)
     try:
         cfg = load_config(argv)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    from nvfp4_jax.train.loop import NonFiniteLossError, format_summary, run
+        return _fail(exc, EXIT_USER, debug)
+
+    # Imported only now, so that config errors come back before jax loads.
+    from nvfp4_jax.data import DataError
+    from nvfp4_jax.train.checkpoint import CheckpointError
+    from nvfp4_jax.train.loop import NonFiniteError, format_summary, run
+    from nvfp4_jax.train.run_lock import RunLockedError
 
     try:
         summary = run(cfg)
-    except NonFiniteLossError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    except ConfigError as exc:  # mesh errors are found once the devices are known
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, RunLockedError) as exc:  # mesh errors need the devices first
+        return _fail(exc, EXIT_USER, debug)
+    except NonFiniteError as exc:
+        return _fail(exc, EXIT_NON_FINITE, debug)
+    except CheckpointError as exc:
+        return _fail(exc, EXIT_NO_CHECKPOINT, debug)
     import jax
 
     if jax.process_index() == 0:
         print(format_summary(summary), flush=True)
-    return 0
+    return EXIT_STOPPED if summary.get("stopped_by") else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -3,15 +3,30 @@
 The loop never waits for the device on the step it has just dispatched: it dispatches step n and
 then reads step n-1's metrics. It waits for step n itself only before a checkpoint (so a
 non-finite state is never saved) and at the end.
+
+Each start of a run is a *segment*:
+1. Everything a user can get wrong is checked before the disk is touched: the config (already
+   valid), the mesh, the data.
+2. The run directory is created and locked (`run_lock`): one process per run.
+3. The newest intact checkpoint is restored onto the abstract sharded state (no fresh state is
+   built first), after its stored config has been compared with this one: only
+   `config.RESUME_MUTABLE_KEYS` may differ. A damaged checkpoint is set aside and the next newest
+   one tried (`checkpoint_fallback`). A fresh state is initialised only when there is nothing to
+   restore.
+4. `config.json` is written, `metrics.jsonl` opened for this segment, and training runs.
+5. SIGTERM or SIGINT (`shutdown`) finishes the current step, saves it, and ends the segment with
+   `stopped_by` in the summary; rerunning the same command resumes exactly there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -20,20 +35,59 @@ import numpy as np
 
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
-from nvfp4_jax.config import Config, save_json, to_dict
+from nvfp4_jax.config import RESUME_MUTABLE_KEYS, Config, ConfigError, resume_differences, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
-from nvfp4_jax.train import checkpoint, distributed, metrics as metrics_lib
+from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
 from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss (or gradient norm) of a step was NaN or infinite."""
+class NonFiniteError(RuntimeError):
+    """A step's loss, gradient norm or new state was not finite; that state was not saved."""
+
+
+class ResumeError(ConfigError):
+    """The run directory holds checkpoints that this config may not continue."""
 
 
 def run_directory(cfg: Config) -> str:
     name = cfg.train.run_name or f"{cfg.model.model_name}-{cfg.model.quantization or 'bf16'}"
     return os.path.join(cfg.train.base_output_directory, name)
+
+
+def _has_checkpoints(directory: str) -> bool:
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def _make_run_directory(cfg: Config) -> str:
+    run_dir = run_directory(cfg)
+    base = cfg.train.base_output_directory
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise ConfigError(f"base_output_directory={base!r} is a file, not a directory.")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"Cannot create the run directory {run_dir!r}: {exc.strerror}.") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError(f"The run directory {run_dir!r} is not writable.")
+    return run_dir
+
+
+class _Console:
+    """The lead process's messages: progress to stdout (through the bar when there is one),
+    warnings to stderr. Other processes stay quiet."""
+
+    def __init__(self, is_lead: bool):
+        self.is_lead = is_lead
+        self.bar = None
+
+    def info(self, msg: str) -> None:
+        if self.is_lead:
+            (self.bar.write(msg) if self.bar is not None else print(msg, flush=True))
+
+    def warn(self, msg: str) -> None:
+        if self.is_lead:
+            print(msg, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -46,178 +100,316 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     """Trains according to `cfg`; returns (and writes) the run summary.
 
     `devices` restricts the mesh to a subset of `jax.devices()` (tests compare 1- and 8-way runs).
+    Raises ConfigError, data_lib.DataError and run_lock.RunLockedError for what a user can fix
+    (before anything compiles), NonFiniteError, and checkpoint.CheckpointError when no intact
+    checkpoint can be restored.
     """
     distributed.maybe_initialize(cfg.mesh)
-    t, m = cfg.train, cfg.model
     mesh = sharding.make_mesh(cfg.mesh, devices)
     sharding.check_divisibility(cfg, mesh)
-    num_devices = mesh.devices.size
-    global_batch = t.per_device_batch_size * num_devices
-    is_lead = jax.process_index() == 0
-
-    run_dir = run_directory(cfg)
-    os.makedirs(run_dir, exist_ok=True)
-    if is_lead:
-        save_json(cfg, os.path.join(run_dir, "config.json"))
-
-    train_data = data_lib.make_dataset(
-        cfg.data, seq_len=m.max_target_length, global_batch_size=global_batch, seed=t.seed,
-        split="train", vocab_size=m.vocab_size,
-    )
-    eval_data = data_lib.make_dataset(
-        cfg.data, seq_len=m.max_target_length, global_batch_size=global_batch, seed=t.seed,
-        split="eval", vocab_size=m.vocab_size,
-    )
-
-    optimizer = make_optimizer(t)
-    model = build_model(m, quantized=True)
-    state, state_sh = init_state(model, optimizer, m.max_target_length, mesh, t.seed)
-    batch_sh = sharding.batch_sharding(mesh)
-    train_step = jit_train_step(model, optimizer, mesh, state_sh)
-    # The BF16 tail (quantization_end_step) has the same parameters; its step is traced only
-    # when first used, so the switch costs one compilation.
-    bf16_step = (
-        jit_train_step(build_model(m, quantized=False), optimizer, mesh, state_sh, uses_fp8_meta=False)
-        if t.quantization_end_step >= 0
-        else None
-    )
-    eval_step = jit_eval_step(model, mesh, state_sh)
-
-    manager = None
-    last_saved: int | None = None
-    if t.enable_checkpointing:
-        manager = checkpoint.make_manager(
-            os.path.join(run_dir, "checkpoints"), max_to_keep=t.max_checkpoints_to_keep
+    console = _Console(jax.process_index() == 0)
+    global_batch = cfg.train.per_device_batch_size * mesh.devices.size
+    datasets = {
+        split: data_lib.make_dataset(
+            cfg.data, seq_len=cfg.model.max_target_length, global_batch_size=global_batch,
+            seed=cfg.train.seed, split=split, vocab_size=cfg.model.vocab_size,
         )
-        last_saved = checkpoint.latest_step(manager)
-        if last_saved is not None:
-            abstract, _ = state_shardings(model, optimizer, m.max_target_length, mesh)
-            state, record = checkpoint.restore(manager, abstract)
-            if is_lead:
-                print(f"Resumed from checkpoint step {last_saved} in {manager.directory} "
-                      f"(data position: step {record.get('data_step')}).", flush=True)
+        for split in ("train", "eval")
+    }
+    console.info(f"data: {datasets['train'].describe()}; {datasets['eval'].describe()}")
+    for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
+        console.warn(f"warning: {warning}")
+    run_dir = _make_run_directory(cfg)
+    lock = run_lock.hold(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
+    with lock, shutdown.StopRequest(announce=console.warn) as stop:
+        return _Segment(cfg, mesh, run_dir, datasets, console, stop, progress).run()
 
-    def put(dataset, step: int):
+
+class _Segment:
+    """One start of a run, from restore (or init) to the summary."""
+
+    def __init__(self, cfg: Config, mesh, run_dir: str, datasets, console: _Console,
+                 stop: shutdown.StopRequest, progress: bool | None):
+        self.cfg, self.mesh, self.run_dir, self.console, self.stop = cfg, mesh, run_dir, console, stop
+        self.progress = progress
+        self.train_data, self.eval_data = datasets["train"], datasets["eval"]
+        self.global_batch = cfg.train.per_device_batch_size * mesh.devices.size
+        self.manager = None
+        self.last_good: tuple[int, bool] | None = None  # (step, verified) of the newest good checkpoint
+        self.history: list[dict[str, Any]] = []
+        self.eval_batches: list = []  # the same held-out batches every time: loaded once
+        self.writer = None
+
+    # --- resume ---------------------------------------------------------------------------
+
+    def _check_resume(self, step: int, record: dict[str, Any]) -> None:
+        saved = record.get("config")
+        if not isinstance(saved, dict):
+            raise ResumeError(f"Checkpoint step {step} in {self.run_dir} records no config; it was not "
+                              "written by nvfp4_jax.train. Start a new run: run_name=<a new name>.")
+        diffs = resume_differences(saved, self.cfg)
+        saved_batch = record.get("global_batch_size")
+        if saved_batch is None:  # an older checkpoint: the per-device batch must stay as it was
+            old = saved.get("train", {}).get("per_device_batch_size")
+            if old != self.cfg.train.per_device_batch_size:
+                diffs.append(("per_device_batch_size", old, self.cfg.train.per_device_batch_size))
+        elif saved_batch != self.global_batch:
+            diffs.append(("global batch (per_device_batch_size x devices)", saved_batch, self.global_batch))
+        if diffs:
+            listing = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diffs)
+            raise ResumeError(
+                f"{self.run_dir} holds checkpoint step {step} of a run with a different config, and "
+                f"resuming would silently change it: {listing}. Only {', '.join(RESUME_MUTABLE_KEYS)} "
+                "may change on resume. To train with these settings, start a new run: "
+                "run_name=<a new name>."
+            )
+
+    def _restore_or_init(self, model, optimizer):
+        t, m = self.cfg.train, self.cfg.model
+        ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        if not t.enable_checkpointing:
+            if _has_checkpoints(ckpt_dir):
+                raise ResumeError(
+                    f"{ckpt_dir} holds checkpoints, but enable_checkpointing=false would start the run "
+                    "over beside them. Resume with enable_checkpointing=true, or start a new run: "
+                    "run_name=<a new name>.")
+            state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
+            return state, state_sh
+        self.manager = checkpoint.make_manager(ckpt_dir, max_to_keep=t.max_checkpoints_to_keep)
+        abstract, state_sh = state_shardings(model, optimizer, m.max_target_length, self.mesh)
+
+        def on_reject(step: int, why: str) -> None:
+            then = "falling back to the next newest" if t.checkpoint_fallback else "stopping"
+            self.console.warn(f"warning: checkpoint step {step} in {ckpt_dir} is damaged ({why}); {then}.")
+
+        restored = checkpoint.restore_newest(
+            self.manager, abstract, check_record=self._check_resume, fallback=t.checkpoint_fallback,
+            on_reject=on_reject,
+        )
+        if restored is None:
+            state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
+            return state, state_sh
+        if restored.rejected:
+            self._set_aside([step for step, _ in restored.rejected])
+        self.last_good = (restored.step, restored.verified)
+        how = "verified" if restored.verified else "UNVERIFIED: saved without checksums by an older version"
+        self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
+                          f"position: step {restored.record.get('data_step')}).")
+        return restored.state, state_sh
+
+    def _set_aside(self, steps: list[int]) -> None:
+        destination = os.path.join(self.run_dir, "rejected_checkpoints")
+        if self.console.is_lead:
+            for step in steps:
+                where = checkpoint.set_aside(self.manager, step, destination)
+                self.console.warn(f"warning: moved the damaged checkpoint step {step} to {where}.")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("nvfp4_jax: damaged checkpoints set aside")
+        directory = str(self.manager.directory)
+        self.manager.close()  # it still lists the moved steps
+        self.manager = checkpoint.make_manager(directory, max_to_keep=self.cfg.train.max_checkpoints_to_keep)
+
+    # --- per step ---------------------------------------------------------------------------
+
+    def _put(self, dataset, step: int):
         """This process's rows of the global batch, assembled into one sharded array."""
         local = dataset.batch(step, jax.process_index(), jax.process_count())
-        return {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in local.items()}
+        return {k: jax.make_array_from_process_local_data(self.batch_sh, v) for k, v in local.items()}
 
-    throughput = metrics_lib.Throughput(
-        flops_per_step=training_flops_per_step(m, global_batch, m.max_target_length),
-        tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
-        num_devices=num_devices,
-    )
-    if is_lead:
-        print(f"data: {train_data.describe()}; {eval_data.describe()}", flush=True)
-    writer = metrics_lib.MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_lead else None
-    start = int(jax.device_get(state.step))
-    if start >= t.steps and is_lead:
-        print(f"The run in {run_dir} is already at step {start} of steps={t.steps}: nothing to train. "
-              "Raise steps=... to continue it, or pick a new run_name=...", flush=True)
-    bar = metrics_lib.progress_bar(start, t.steps, progress) if is_lead else None
-    history: list[dict[str, Any]] = []
-    eval_losses: list[tuple[int, float]] = []
-    last_time = time.perf_counter()
+    def _last_good_text(self) -> str:
+        if self.last_good is None:
+            return "No checkpoint was saved."
+        step, verified = self.last_good
+        how = "finite and verified" if verified else "finite, saved without checksums"
+        return f"The last good checkpoint is step {step} in {self.manager.directory} ({how})."
 
-    def report(p: _Pending) -> None:
-        nonlocal last_time
+    def _report(self, p: _Pending) -> None:
         raw = jax.device_get(p.metrics)
         now = time.perf_counter()
-        record = metrics_lib.step_record(p.step, now - last_time, raw, throughput)
-        last_time = now
+        record = metrics_lib.step_record(p.step, now - self.last_time, raw, self.throughput)
+        self.last_time = now
         if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
-            where = (f"the last good checkpoint is step {last_saved} in {manager.directory}"
-                     if manager is not None and last_saved is not None else "no checkpoint was saved")
-            raise NonFiniteLossError(
-                f"Non-finite loss at step {p.step} (loss={record['loss']}, "
-                f"grad_norm={record['grad_norm']}); stopping. {where}."
+            raise NonFiniteError(
+                f"Non-finite loss at step {p.step} (loss={record['loss']}, grad_norm={record['grad_norm']}); "
+                f"stopping without saving. {self._last_good_text()}"
             )
-        history.append(record)
-        if writer:
-            writer.write(record)
+        bad = integrity.first_non_finite(self.leaf_paths, raw["finite"])
+        if bad is not None:
+            raise NonFiniteError(
+                f"Non-finite state after step {p.step}: {bad} is not finite (the step's loss "
+                f"{record['loss']:.4f} was); stopping without saving it. {self._last_good_text()}"
+            )
+        self.history.append(record)
+        if self.writer:
+            self.writer.write(record)
+        bar = self.console.bar
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
-        if is_lead and (p.step % t.log_period == 0 or p.step == t.steps or p.step == start + 1):
-            line = metrics_lib.maxtext_line(record)
-            (bar.write(line) if bar is not None else print(line, flush=True))
+        t = self.cfg.train
+        if p.step % t.log_period == 0 or p.step == t.steps or p.step == self.start + 1:
+            self.console.info(metrics_lib.maxtext_line(record))
 
-    eval_batches: list = []  # the same held-out batches every time: loaded once, on first use
-
-    def evaluate(step: int) -> float:
-        if not eval_batches:
-            eval_batches.extend(put(eval_data, i) for i in range(t.eval_steps))
-        losses = [eval_step(state, batch) for batch in eval_batches]
+    def _evaluate(self, step: int) -> float:
+        if not self.eval_batches:
+            self.eval_batches.extend(self._put(self.eval_data, i) for i in range(self.cfg.train.eval_steps))
+        losses = [self.eval_step(self.state, batch) for batch in self.eval_batches]
         value = float(np.mean(jax.device_get(losses)))
-        eval_losses.append((step, value))
-        if writer:
-            writer.write({"step": step, "eval_loss": value, "eval_perplexity": math.exp(min(value, 700))})
-        if is_lead:
-            msg = f"eval at step {step}: loss: {value:.3f}, perplexity: {math.exp(min(value, 700)):.3f}"
-            (bar.write(msg) if bar is not None else print(msg, flush=True))
+        perplexity = math.exp(min(value, 700))
+        if self.writer:
+            self.writer.write({"step": step, "eval_loss": value, "eval_perplexity": perplexity})
+        self.console.info(f"eval at step {step}: loss: {value:.3f}, perplexity: {perplexity:.3f}")
         return value
 
-    pending: _Pending | None = None
-    profiling = False
-    try:
-        for step in range(start, t.steps):
-            if t.profiler == "xplane" and step == t.profile_start_step and is_lead:
-                jax.profiler.start_trace(os.path.join(run_dir, "profile"))
-                profiling = True
-            use_bf16 = bf16_step is not None and step >= t.quantization_end_step
-            state, step_metrics = (bf16_step if use_bf16 else train_step)(state, put(train_data, step))
-            if pending is not None:
-                report(pending)
-            pending = _Pending(step + 1, step_metrics)
-            if profiling and step + 1 >= t.profile_start_step + t.profile_steps:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                profiling = False
-            done = step + 1
-            if manager is not None and (done % t.checkpoint_period == 0 or done == t.steps):
-                report(pending)  # never save a state whose step went non-finite
-                pending = None
-                checkpoint.save(manager, state, {"step": done, "data_step": done, "config": to_dict(cfg)})
-                last_saved = done
-            if done % t.eval_interval == 0 and done != t.steps:
-                evaluate(done)
-        if pending is not None:
-            report(pending)
-        final_eval = evaluate(t.steps)
-    finally:
-        if profiling:
-            jax.profiler.stop_trace()
-        if bar is not None:
-            bar.close()
-        if writer:
-            writer.close()
+    def _save(self, step: int) -> None:
+        record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
+                  "global_batch_size": self.global_batch}
+        checkpoint.save(self.manager, self.state, record)
+        self.last_good = (step, True)
 
-    steady = [r["tokens_per_device"] for r in history[1:]] or [r["tokens_per_device"] for r in history]
-    summary = {
-        "run_directory": os.path.abspath(run_dir),
-        "steps": t.steps,
-        "quantization": m.quantization or "bf16",
-        "first_train_loss": history[0]["loss"] if history else None,
-        "final_train_loss": history[-1]["loss"] if history else None,
-        "final_eval_loss": final_eval,
-        "median_tokens_per_second_per_device": statistics.median(steady) if steady else None,
-        "median_step_seconds": statistics.median([r["seconds"] for r in history[1:]]) if len(history) > 1 else None,
-        "eval_losses": eval_losses,
-        "last_checkpoint_step": last_saved,
-    }
-    if is_lead:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    def _stop_agreed(self, step: int) -> bool:
+        """Whether every process has been asked to stop. Across processes the flag is exchanged
+        at log_period steps only (a host round trip), so all of them stop at the same step."""
+        if jax.process_count() == 1:
+            return self.stop.requested
+        if step % self.cfg.train.log_period:
+            return False
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.stop.requested))))
+
+    # --- the segment ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
+        optimizer = make_optimizer(t)
+        model = build_model(m, quantized=True)
+        self.state, state_sh = self._restore_or_init(model, optimizer)
+        self.start = int(jax.device_get(self.state.step))
+        self.leaf_paths = integrity.leaf_paths(self.state)
+        if self.console.is_lead:  # only now: a refused resume must leave the old config in place
+            save_json(cfg, os.path.join(self.run_dir, "config.json"))
+        self.batch_sh = sharding.batch_sharding(self.mesh)
+        train_step = jit_train_step(model, optimizer, self.mesh, state_sh)
+        # The BF16 tail (quantization_end_step) has the same parameters; its step is traced only
+        # when first used, so the switch costs one compilation.
+        bf16_step = (
+            jit_train_step(build_model(m, quantized=False), optimizer, self.mesh, state_sh, uses_fp8_meta=False)
+            if t.quantization_end_step >= 0
+            else None
+        )
+        self.eval_step = jit_eval_step(model, self.mesh, state_sh)
+        self.throughput = metrics_lib.Throughput(
+            flops_per_step=training_flops_per_step(m, self.global_batch, m.max_target_length),
+            tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
+            num_devices=self.mesh.devices.size,
+        )
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        if self.console.is_lead:
+            self.writer = metrics_lib.MetricsWriter(metrics_path, start=self.start)
+            if self.writer.dropped:
+                self.console.info(f"metrics.jsonl: dropped {self.writer.dropped} lines logged after step "
+                                  f"{self.start} by an earlier segment (this one logs those steps again).")
+        if self.start >= t.steps:
+            self.console.info(f"The run in {self.run_dir} is already at step {self.start} of steps={t.steps}: "
+                              "nothing to train. Raise steps=... to continue it, or pick a new run_name=...")
+        if self.console.is_lead:
+            self.console.bar = metrics_lib.progress_bar(self.start, t.steps, self.progress)
+        self.last_time = time.perf_counter()
+        reached, stopped_by, final_eval = self.start, None, None
+        pending: _Pending | None = None
+        profiling = False
+        try:
+            for step in range(self.start, t.steps):
+                if t.profiler == "xplane" and step == t.profile_start_step and self.console.is_lead:
+                    jax.profiler.start_trace(os.path.join(self.run_dir, "profile"))
+                    profiling = True
+                use_bf16 = bf16_step is not None and step >= t.quantization_end_step
+                self.state, step_metrics = (bf16_step if use_bf16 else train_step)(
+                    self.state, self._put(self.train_data, step))
+                if pending is not None:
+                    self._report(pending)
+                pending = _Pending(step + 1, step_metrics)
+                if profiling and step + 1 >= t.profile_start_step + t.profile_steps:
+                    jax.block_until_ready(self.state)
+                    jax.profiler.stop_trace()
+                    profiling = False
+                reached = step + 1
+                stopping = self._stop_agreed(reached)
+                if self.manager is not None and (reached % t.checkpoint_period == 0 or reached == t.steps
+                                                 or stopping):
+                    self._report(pending)  # never save a state whose step went non-finite
+                    pending = None
+                    self._save(reached)
+                if stopping:
+                    stopped_by = self.stop.signal_name or "a signal to another process"
+                    break
+                if reached % t.eval_interval == 0 and reached != t.steps:
+                    self._evaluate(reached)
+            if pending is not None:
+                self._report(pending)
+            if stopped_by is None and reached > self.start:
+                final_eval = self._evaluate(reached)
+            elif stopped_by is not None:
+                saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"
+                self.console.info(f"Stopped by {stopped_by} after step {reached} ({saved}); run the same "
+                                  "command again to resume.")
+        finally:
+            if profiling:
+                jax.profiler.stop_trace()
+            if self.console.bar is not None:
+                self.console.bar.close()
+            if self.writer:
+                self.writer.close()
+            if self.manager is not None:
+                self.manager.close()
+        return self._summary(metrics_path, reached, final_eval, stopped_by)
+
+    def _summary(self, metrics_path: str, reached: int, final_eval, stopped_by) -> dict[str, Any]:
+        # The whole run, not just this segment: earlier segments' records come from the file.
+        records = metrics_lib.read_metrics(metrics_path) if self.console.is_lead else self.history
+        train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+        evals = sorted((r["step"], r["eval_loss"]) for r in records if "eval_loss" in r)
+        if final_eval is None and stopped_by is None:  # nothing trained: the run's own last evaluation
+            final_eval = next((loss for step, loss in reversed(evals) if step == reached), None)
+        steady = [r["tokens_per_device"] for r in self.history[1:]] or [r["tokens_per_device"] for r in self.history]
+        summary = {
+            "run_directory": os.path.abspath(self.run_dir),
+            "steps": self.cfg.train.steps,
+            "step_reached": reached,
+            "stopped_by": stopped_by,
+            "resumed_from_step": self.start or None,
+            "segment": self.writer.segment if self.writer else None,
+            "quantization": self.cfg.model.quantization or "bf16",
+            "first_train_loss": train[0]["loss"] if train else None,
+            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_eval_loss": final_eval,
+            "median_tokens_per_second_per_device": statistics.median(steady) if steady else None,
+            "median_step_seconds": (statistics.median([r["seconds"] for r in self.history[1:]])
+                                    if len(self.history) > 1 else None),
+            "eval_losses": evals,
+            "last_checkpoint_step": self.last_good[0] if self.last_good else None,
+        }
+        if self.console.is_lead:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+        return summary
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     def fmt(v, spec=".4f"):
         return "n/a" if v is None else format(v, spec)
 
+    if summary.get("stopped_by"):
+        headline = (f"run stopped by {summary['stopped_by']} at step {summary['step_reached']} of "
+                    f"{summary['steps']}, quantization={summary['quantization']} (rerun to resume)")
+    else:
+        headline = f"run finished: {summary['steps']} steps, quantization={summary['quantization']}"
     return "\n".join([
         "=" * 72,
-        f"run finished: {summary['steps']} steps, quantization={summary['quantization']}",
+        headline,
         f"  train loss: {fmt(summary['first_train_loss'])} (first step) -> "
         f"{fmt(summary['final_train_loss'])} (last step)",
         f"  validation loss: {fmt(summary['final_eval_loss'])}",

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from nvfp4_jax.quant import quant_rngs
+from nvfp4_jax.train.integrity import finite_flags
 from nvfp4_jax.train.state import TrainState
 
 
@@ -58,6 +59,9 @@ def make_train_step(
             "loss": loss,
             "total_weights": total_weights,
             "grad_norm": optax.tree.norm(grads),
+            # Per leaf of the new state (integrity.leaf_paths order): a checkpoint is saved only
+            # when all are finite.
+            "finite": finite_flags(new_state),
         }
         return new_state, metrics
 

@@ -55,9 +55,14 @@ def test_plan_prints_flops_per_step(capsys):
     assert printed == pytest.approx(expected, rel=1e-4)
 
 
-def test_plan_needs_a_device_count(capsys):
-    code, _, err = _run(capsys, "model_name=llama3-8b")
-    assert code == 2 and "--num-devices" in err
+def test_plan_defaults_to_the_local_device_count(capsys):
+    import jax
+
+    # The test session has 8 virtual CPU devices; -1 (the default fsdp axis) takes them all.
+    assert jax.device_count() == 8
+    code, out, err = _run(capsys, "model_name=llama3-8b")
+    assert code == 0, err
+    assert "mesh: data=1 x fsdp=8 (8 devices)" in out
 
 
 def test_plan_rejects_a_mesh_that_does_not_fit(capsys):

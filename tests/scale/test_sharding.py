@@ -108,27 +108,54 @@ def test_loss_trajectory_is_the_same_on_1_2x4_and_8_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
+def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsharded(tmp_path):
+    from nvfp4_jax import data as data_lib
     from nvfp4_jax.train import checkpoint
-    from nvfp4_jax.train.build import build_model, init_state, state_shardings
+    from nvfp4_jax.train.build import build_model, init_state, jit_train_step, state_shardings
     from nvfp4_jax.train.optimizer import make_optimizer
 
-    cfg = load_config(TINY[:3] + ["quantization=te_fp8_delayedscaling"])
+    cfg = load_config(["model_name=tiny", "base_num_decoder_layers=1", "max_target_length=64", "dtype=float32",
+                       "quantization=te_fp8_delayedscaling", "learning_rate=1e-2", "warmup_steps_fraction=0"])
     model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    mesh8 = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=8))
-    state, _ = init_state(model, optimizer, 64, mesh8, seed=0)
-    kernel = state.params["layers_0"]["mlp"]["gate"]["kernel"]
-    assert len(kernel.sharding.device_set) == 8 and kernel.sharding.spec[0] == "fsdp"
-    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=1)
-    checkpoint.save(manager, state, {"step": 0})
+    train = data_lib.make_dataset(cfg.data, seq_len=64, global_batch_size=8, seed=0, split="train", vocab_size=256)
 
-    mesh24 = sharding.make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=4))
-    abstract, _ = state_shardings(model, optimizer, 64, mesh24)
-    restored, _ = checkpoint.restore(manager, abstract)
-    got = restored.params["layers_0"]["mlp"]["gate"]["kernel"]
-    assert got.sharding.mesh.shape == {"data": 2, "fsdp": 4}
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    def train_steps(mesh, state, state_sh, steps):
+        step_fn = jit_train_step(model, optimizer, mesh, state_sh)
+        losses = []
+        for i in steps:
+            batch = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in train.batch(i).items()}
+            state, metrics = step_fn(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    mesh8 = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=8))
+    state, sh8 = init_state(model, optimizer, 64, mesh8, seed=0)
+    state, _ = train_steps(mesh8, state, sh8, [0, 1])
+    # A trained state, not an initial one: a step count, moments and amax histories all moved.
+    kernel = state.params["layers_0"]["mlp"]["gate"]["kernel"]
+    assert int(state.step) == 2 and len(kernel.sharding.device_set) == 8 and kernel.sharding.spec[0] == "fsdp"
+    adam = state.opt_state[1][0]
+    assert all(float(jnp.abs(m).max()) > 0 for m in jax.tree.leaves((adam.mu, adam.nu)))
+    histories = [l for p, l in jax.tree_util.tree_flatten_with_path(state.fp8_meta)[0] if "history" in jax.tree_util.keystr(p)]
+    assert histories and all(float(jnp.abs(h).max()) > 0 for h in histories)
+    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=1)
+    checkpoint.save(manager, state, {"step": 2})
+    saved = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
+
+    continued = {}
+    for name, mesh in [("2x4", sharding.make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=4))),
+                       ("1", sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=1), jax.devices()[:1]))]:
+        abstract, state_sh = state_shardings(model, optimizer, 64, mesh)
+        restored, _, verified = checkpoint.restore(manager, abstract)
+        assert verified
+        assert restored.params["layers_0"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == dict(zip(("data", "fsdp"), mesh.devices.shape))
+        for a, b in zip(saved, jax.tree.leaves(restored)):
+            np.testing.assert_array_equal(a, np.asarray(b))
+        _, continued[name] = train_steps(mesh, restored, state_sh, [2, 3])
+    # The first continued step starts from identical state bits on both meshes (fp32 compute);
+    # the second from updates summed across devices in another order.
+    assert continued["2x4"][0] == pytest.approx(continued["1"][0], rel=1e-6)
+    np.testing.assert_allclose(continued["2x4"], continued["1"], rtol=5e-3)
 
 
 @pytest.mark.slow

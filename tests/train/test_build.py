@@ -9,6 +9,7 @@ import pytest
 from nvfp4_jax.config import load_config
 from nvfp4_jax.model import Llama
 from nvfp4_jax.quant import QuantDotGeneral, quant_rngs
+from nvfp4_jax.quant.recipe import get_recipe, recipe_name
 from nvfp4_jax.train.build import build_model, init_state
 from nvfp4_jax.train.optimizer import make_optimizer
 from nvfp4_jax.train.step import make_train_step
@@ -28,13 +29,17 @@ def params():
 
 
 def _quantized_dot_calls(model, params):
-    """(module path, recipe flag) of every QuantDotGeneral the forward pass calls."""
-    calls = []
+    """{projection path: recipe flag} of every QuantDotGeneral the forward pass calls; a
+    projection absent from it runs `lax.dot_general` (BF16)."""
+    calls = {}
 
     def record(next_fun, args, kwargs, context):
         if isinstance(context.module, QuantDotGeneral) and context.method_name == "__call__":
-            recipe = context.module.recipe
-            calls.append(("/".join(context.module.path), getattr(recipe, "name", recipe)))
+            path = "/".join(context.module.path)
+            assert path.endswith("/QuantDotGeneral_0"), path
+            projection = path[: -len("/QuantDotGeneral_0")]
+            assert projection not in calls, f"{projection} quantized twice"
+            calls[projection] = recipe_name(get_recipe(context.module.recipe))
         return next_fun(*args, **kwargs)
 
     variables = model.init({"params": jax.random.PRNGKey(0), "quant": jax.random.PRNGKey(2)}, TOKENS)
@@ -44,34 +49,47 @@ def _quantized_dot_calls(model, params):
     return calls
 
 
+MLP = ("gate", "up", "down")
+ATTENTION = ("query", "key", "value", "out")
+
+
+def _expected(mlp: str, attention: str | None = None, bf16_layers=()):
+    """The recipe each projection must get, in a 3-layer model."""
+    out = {}
+    for i in range(3):
+        if i in bf16_layers:
+            continue
+        out.update({f"layers_{i}/mlp/{p}": mlp for p in MLP})
+        if attention:
+            out.update({f"layers_{i}/attention/{p}": attention for p in ATTENTION})
+    return out
+
+
 def test_bf16_flag_is_bit_identical_to_plain_lax_dot_general(params):
     plain = Llama(_cfg()).apply({"params": params}, TOKENS)
     for flag in ("", "bf16"):
         built = build_model(_cfg(f"quantization={flag}"))
         np.testing.assert_array_equal(np.asarray(built.apply({"params": params}, TOKENS)), np.asarray(plain))
+        assert _quantized_dot_calls(built, params) == {}
 
 
-def test_te_nvfp4_quantizes_the_mlp_and_only_the_mlp(params):
-    calls = _quantized_dot_calls(build_model(_cfg("quantization=te_nvfp4")), params)
-    paths = sorted(p for p, _ in calls)
-    expected = sorted(f"layers_{i}/mlp/{proj}/QuantDotGeneral_0" for i in range(3) for proj in ("gate", "up", "down"))
-    assert paths == expected
+@pytest.mark.parametrize("flag", ["te_nvfp4", "te_fp8_delayedscaling", "mxfp4"])
+def test_the_mlp_gets_the_recipe_and_attention_stays_bf16(params, flag):
+    # Attention in BF16: no attention projection may reach a quantized dot.
+    assert _quantized_dot_calls(build_model(_cfg(f"quantization={flag}")), params) == _expected(flag)
 
 
-def test_bf16_first_and_last_layers_are_not_quantized(params):
-    model = build_model(_cfg("quantization=te_nvfp4", "bf16_first_layers=1", "bf16_last_layers=1"))
-    paths = sorted(p for p, _ in _quantized_dot_calls(model, params))
-    assert paths == sorted(f"layers_1/mlp/{proj}/QuantDotGeneral_0" for proj in ("gate", "up", "down"))
+def test_bf16_first_and_last_layers_get_no_quantized_dot(params):
+    model = build_model(_cfg("quantization=te_nvfp4", "attention_quantization=fp8",
+                             "bf16_first_layers=1", "bf16_last_layers=1"))
+    assert _quantized_dot_calls(model, params) == _expected("te_nvfp4", "te_fp8_currentscaling", bf16_layers=(0, 2))
 
 
-def test_attention_fp8_adds_the_four_projections(params):
+def test_attention_fp8_gives_the_four_attention_projections_fp8_not_nvfp4(params):
     model = build_model(_cfg("quantization=te_nvfp4", "attention_quantization=fp8"))
-    paths = [p for p, _ in _quantized_dot_calls(model, params)]
-    attention = sorted(p for p in paths if "/attention/" in p)
-    assert attention == sorted(
-        f"layers_{i}/attention/{proj}/QuantDotGeneral_0" for i in range(3) for proj in ("query", "key", "value", "out")
-    )
-    assert len(paths) == 3 * 3 + 3 * 4
+    calls = _quantized_dot_calls(model, params)
+    assert calls == _expected("te_nvfp4", "te_fp8_currentscaling")
+    assert {calls[f"layers_{i}/attention/{p}"] for i in range(3) for p in ATTENTION} == {"te_fp8_currentscaling"}
 
 
 def test_quantized_forward_differs_from_bf16_but_stays_close(params):
