@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ModelConfig
-from nvfp4_jax.model import Llama
+from nvfp4_jax.model import Llama, select_attention
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_train_step
 
@@ -23,13 +23,24 @@ ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 
 
 def build_model(model_cfg: ModelConfig, *, quantized: bool = True) -> Llama:
-    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots."""
+    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
+
+    The attention kernel is selected here, before anything is traced (`describe_attention`
+    says which and why).
+    """
     mlp_dot = attention_dot = None
     if quantized:
         mlp_dot = quant.dot_general_factory(model_cfg.quantization)
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
-    return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot)
+    return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot,
+                 attention_kernel=select_attention(model_cfg.attention).kernel)
+
+
+def describe_attention(model_cfg: ModelConfig) -> str:
+    """The start-up line: which attention kernel this run uses, and why."""
+    kernel, reason = select_attention(model_cfg.attention)
+    return f"attention: {kernel} ({reason})"
 
 
 def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int, key):

@@ -11,12 +11,13 @@ import pytest
 from nvfp4_jax.config import ModelConfig, make_config
 from nvfp4_jax.flops import parameter_count
 from nvfp4_jax.model import Llama
-from nvfp4_jax.model.layers import RMSNorm, apply_rope, causal_attention, rope_frequencies
+from nvfp4_jax.model.attention import causal_attention
+from nvfp4_jax.model.layers import RMSNorm, apply_rope, rope_frequencies
 
 SMALL = ModelConfig(
     vocab_size=64, base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8,
-    base_mlp_dim=48, base_num_decoder_layers=4, max_target_length=16,
-)
+    base_mlp_dim=48, base_num_decoder_layers=4, max_target_length=16, scan_layers=False,
+)  # unrolled: per-layer module paths; test_layout.py covers the scanned layout
 B, L = 2, 8
 
 
@@ -51,8 +52,17 @@ def test_causality_by_gradient(variables):
     assert np.all(per_position[: t + 1] > 0.0), per_position
 
 
+_SEEN_DTYPES = set()
+
+
 def _plain_factory():
-    return lambda *a, **k: jax.lax.dot_general(*a, **k)
+    def dot(lhs, rhs, *args, **kwargs):
+        # A given dot gets the activations in the compute dtype and the fp32 master kernel;
+        # casting the kernel itself makes it the model's own bf16 path.
+        _SEEN_DTYPES.add((lhs.dtype, rhs.dtype))
+        return jax.lax.dot_general(lhs, rhs.astype(lhs.dtype), *args, **kwargs)
+
+    return dot
 
 
 def test_plain_dot_seam_is_bit_identical(variables):
@@ -61,7 +71,9 @@ def test_plain_dot_seam_is_bit_identical(variables):
     seamed = Llama(SMALL, mlp_dot_general_cls=_plain_factory, attention_dot_general_cls=_plain_factory)
     abstract = jax.eval_shape(seamed.init, jax.random.PRNGKey(0), tokens)
     assert jax.tree.structure(abstract) == jax.tree.structure(variables)
+    _SEEN_DTYPES.clear()
     np.testing.assert_array_equal(plain.apply(variables, tokens), seamed.apply(variables, tokens))
+    assert _SEEN_DTYPES == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))}
 
 
 # (tag, module path, lhs shape, rhs shape) per call, appended at trace time.
