@@ -255,3 +255,32 @@ def test_parameter_count_of_presets(name, published):
         assert abs(count - published) / published < 0.005
     if name == "llama3-8b":
         assert count == published
+
+
+@pytest.mark.parametrize("recipe", ["te_nvfp4", "te_fp8_delayedscaling"])
+def test_quantized_projections_get_their_kernel_gradient_in_fp32(recipe):
+    """WGRAD leaves the quantized dot in fp32: Dense hands it the fp32 kernel, not a bf16 copy."""
+    from nvfp4_jax.model.layers import Dense
+    from nvfp4_jax.quant import dot_general_factory
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 48), jnp.float32)
+    quantized = Dense(48, ("embed", "mlp"), dot_general_cls=dot_general_factory(recipe))
+    plain = Dense(48, ("embed", "mlp"))
+    variables = nn.meta.unbox(
+        jax.jit(quantized.init)({"params": jax.random.PRNGKey(2), "quant": jax.random.PRNGKey(3)}, x))
+
+    def kernel_grad(dense):
+        def f(params):
+            out = dense.apply({**variables, "params": params}, x, rngs={"quant": jax.random.PRNGKey(4)})
+            return jnp.vdot(out.astype(jnp.float32), dy)
+        return jax.jit(jax.grad(f))(variables["params"])["kernel"]
+
+    def bf16_rounded(a):
+        return np.array_equal(np.asarray(a), np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32)))
+
+    got = kernel_grad(quantized)
+    assert got.dtype == jnp.float32
+    assert not bf16_rounded(got)  # a bf16 cast on the way would leave only bf16 values
+    # The bf16 lax.dot_general path keeps casting the kernel, so its gradient is bf16-valued.
+    assert bf16_rounded(kernel_grad(plain))
