@@ -33,8 +33,15 @@ def build_model(model_cfg: ModelConfig, *, quantized: bool = True) -> Llama:
         mlp_dot = quant.dot_general_factory(model_cfg.quantization)
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
+    kernel = select_attention(model_cfg.attention).kernel
+    platform = jax.devices()[0].platform
+    if kernel == "cudnn_flash" and platform != "gpu":
+        raise ValueError(
+            f"attention={model_cfg.attention} runs only on NVIDIA GPUs (cuDNN) and this run's "
+            f"devices are {platform}: use attention=autoselected or attention=dot_product"
+        )
     return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot,
-                 attention_kernel=select_attention(model_cfg.attention).kernel)
+                 attention_kernel=kernel)
 
 
 def describe_attention(model_cfg: ModelConfig) -> str:

@@ -81,3 +81,13 @@ def test_autoselected_falls_back_to_dot_product_and_says_why(device, pattern):
     assert choice.kernel == "dot_product"
     assert choice.reason.startswith("autoselected: ")
     assert re.search(pattern, choice.reason), choice.reason
+
+
+def test_build_model_refuses_cudnn_attention_without_a_gpu():
+    from nvfp4_jax.config import load_config
+    from nvfp4_jax.train.build import build_model, describe_attention
+
+    cfg = load_config(["attention=cudnn_flash_te"]).model
+    with pytest.raises(ValueError, match=r"attention=cudnn_flash_te runs only on NVIDIA GPUs.*devices are cpu"):
+        build_model(cfg)
+    assert describe_attention(load_config([]).model).startswith("attention: dot_product (autoselected: no NVIDIA GPU")
