@@ -23,7 +23,9 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, metrics as metrics_lib
-from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
+from nvfp4_jax.train.build import (
+    build_model, describe_attention, init_state, jit_eval_step, jit_train_step, state_shardings,
+)
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
@@ -109,6 +111,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     )
     if is_lead:
         print(f"data: {train_data.describe()}; {eval_data.describe()}", flush=True)
+        print(describe_attention(m), flush=True)
     writer = metrics_lib.MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_lead else None
     start = int(jax.device_get(state.step))
     if start >= t.steps and is_lead:
