@@ -119,12 +119,12 @@ class Embed(nn.Module):
             (self.vocab_size, self.features),
             jnp.float32,
         )
-        # Casting before the lookup is exact (a gather commutes with the cast) and halves the
-        # bytes the all-to-all moves.
-        table_VxD = constrain(embedding_VxD.astype(self.dtype), ("vocab", "embed"))
+        table_VxD = constrain(embedding_VxD, ("vocab", "embed"))
         tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_length"))
+        # Look up in fp32 (the backward scatter-adds repeated tokens' gradients in fp32), then
+        # cast before the all-to-all, which moves half the bytes.
         x_BxLxD = constrain(
-            jnp.take(table_VxD, tokens_BxL, axis=0),
+            jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype),
             ("activation_lookup_batch", "activation_length", "activation_lookup_embed"),
         )
         return constrain(x_BxLxD, BLD)

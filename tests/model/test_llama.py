@@ -284,3 +284,20 @@ def test_quantized_projections_get_their_kernel_gradient_in_fp32(recipe):
     assert not bf16_rounded(got)  # a bf16 cast on the way would leave only bf16 values
     # The bf16 lax.dot_general path keeps casting the kernel, so its gradient is bf16-valued.
     assert bf16_rounded(kernel_grad(plain))
+
+
+def test_embedding_gradient_adds_repeated_tokens_in_fp32():
+    from nvfp4_jax.model.layers import Embed
+
+    embed = Embed(vocab_size=8, features=16)
+    tokens = jnp.zeros((4, 256), jnp.int32).at[:, ::2].set(3)  # token 3 and token 0, 512 times each
+    variables = nn.meta.unbox(embed.init(jax.random.PRNGKey(0), tokens))
+    dy = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 16), jnp.float32).astype(jnp.bfloat16)
+    _, vjp = jax.vjp(lambda p: embed.apply({"params": p}, tokens), variables["params"])
+    grad = np.asarray(vjp(dy)[0]["embedding"])
+    dy64 = np.asarray(dy, np.float64)
+    want = np.zeros((8, 16))
+    np.add.at(want, np.asarray(tokens).ravel(), dy64.reshape(-1, 16))
+    # fp32 accumulation of 512 terms: a few fp32 ulps; a bf16 sum would be off by ~1e-2.
+    np.testing.assert_allclose(grad, want, rtol=0, atol=1e-4)
+    assert np.all(grad[[1, 2, 4, 5, 6, 7]] == 0)
