@@ -45,6 +45,16 @@ class StepCase:
         self.times: list[float] = []
         self.first_step_s: float | None = None
         self.loss: float | None = None
+        self.lower_s: float | None = None
+        self.compile_s: float | None = None
+
+    def compile(self) -> None:
+        """Lowers and compiles the step ahead of time, timing each; `run` then uses the executable."""
+        t0 = time.perf_counter()
+        lowered = self.step.lower(self.state, self.batch)
+        t1 = time.perf_counter()
+        self.step = lowered.compile()
+        self.lower_s, self.compile_s = t1 - t0, time.perf_counter() - t1
 
     def run(self, record: bool = True) -> None:
         """One step, waited for; its wall time is recorded when `record`."""
@@ -107,3 +117,23 @@ def hlo_op_names(case: StepCase) -> dict[str, str]:
     text = case.step.lower(case.state, case.batch).compile().as_text()
     pattern = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]+)"')
     return {m.group(1): m.group(2) for m in map(pattern.match, text.splitlines()) if m}
+
+
+def in_fresh_process(script: str, args: Sequence[str], timeout: float | None = None) -> dict:
+    """Runs `python script *args` in a new process and returns the JSON object its last line holds.
+
+    A fresh process shares no jit cache and no device-memory high-water mark with other cases.
+    Raises RuntimeError with the child's last output lines when it fails or times out.
+    """
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)}: timed out after {timeout:.0f} s") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed ({done.returncode}):\n{tail}")
+    return json.loads(lines[-1])

@@ -47,7 +47,7 @@ from _harness import StepCase, hlo_op_names, interleaved, traced_ops  # noqa: E4
 from nvfp4_jax import sharding  # noqa: E402
 from nvfp4_jax.config import Config, MeshConfig, make_config  # noqa: E402
 from nvfp4_jax.flops import parameter_count, training_flops_per_step  # noqa: E402
-from nvfp4_jax.model import Llama  # noqa: E402
+from nvfp4_jax.model import Llama, select_attention  # noqa: E402
 from nvfp4_jax.quant import get_recipe, make_dot_general  # noqa: E402
 from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm  # noqa: E402
 from nvfp4_jax.train.build import build_model  # noqa: E402
@@ -74,7 +74,8 @@ def _identity_model(cfg: Config) -> Llama:
         # A fixed key: the identity operand never draws random bits.
         return make_dot_general(recipe, jax.random.PRNGKey(0), backend=IDENTITY_BACKEND)
 
-    return Llama(cfg.model, mlp_dot_general_cls=factory)
+    return Llama(cfg.model, mlp_dot_general_cls=factory,
+                 attention_kernel=select_attention(cfg.model.attention).kernel)
 
 
 def _op_category(op_name: str, hlo_op: str) -> str:

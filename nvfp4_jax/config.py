@@ -35,6 +35,10 @@ QUANTIZATION_FLAGS = (
     "mxfp4",
 )
 ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
+# MaxText's attention kernel names; "cudnn_flash_te" is MaxText's name for the same fused kernel.
+ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te")
+# MaxText's remat policy names (the ones that apply to this model) plus "none": no remat.
+REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_except_mlp")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
 
@@ -67,6 +71,17 @@ class ModelConfig:
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    # Attention kernel: autoselected picks cudnn_flash on NVIDIA GPUs that run it, else
+    # dot_product (scores and softmax in fp32, materialised per head).
+    attention: str = "autoselected"
+    # Decoder layers under one scan (compile time flat in depth; parameters stacked on a
+    # leading "layers" axis) or unrolled (`layers_{i}`). Checkpoints hold one layout or the other.
+    scan_layers: bool = True
+    # What each decoder layer keeps for its backward pass (jax.checkpoint policy).
+    remat_policy: str = "none"
+    # The loss computes logits and their gradient for 1/num_vocab_tiling of the sequence at a
+    # time (recomputed in the backward pass), never for the whole batch at once; 1: no tiling.
+    num_vocab_tiling: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +163,9 @@ RESUME_MUTABLE_KEYS = (
     "base_output_directory", "per_device_batch_size", "ici_data_parallelism",
     "ici_fsdp_parallelism", "dcn_data_parallelism", "coordinator_address", "num_processes",
     "process_id",
+    # Memory/recompute trade-offs with the same state tree (remat is bitwise-neutral; loss tiling
+    # changes only the order of the loss's sums).
+    "remat_policy", "num_vocab_tiling",
 )
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
@@ -357,6 +375,7 @@ def validate(cfg: Config) -> None:
     _check(m.bf16_first_layers + m.bf16_last_layers <= m.base_num_decoder_layers,
            "bf16_first_layers", m.bf16_first_layers,
            f"bf16_first_layers + bf16_last_layers must be <= base_num_decoder_layers={m.base_num_decoder_layers}")
+    _validate_layout_keys(m)
     if m.quantization not in ("", "bf16"):
         block = 32 if m.quantization == "mxfp4" else 16
         for key in ("base_emb_dim", "base_mlp_dim"):
@@ -403,6 +422,17 @@ def validate(cfg: Config) -> None:
     for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism"):
         value = getattr(mesh, key)
         _check(value == -1 or value > 0, key, value, "must be a positive integer or -1")
+
+
+def _validate_layout_keys(m: ModelConfig) -> None:
+    """The attention kernel, layer layout, remat and loss-tiling keys."""
+    _check(m.attention in ATTENTION_KERNELS, "attention", m.attention,
+           f"choose one of {list(ATTENTION_KERNELS)}")
+    _check(m.remat_policy in REMAT_POLICIES, "remat_policy", m.remat_policy,
+           f"choose one of {list(REMAT_POLICIES)}")
+    _check(m.num_vocab_tiling > 0 and m.max_target_length % m.num_vocab_tiling == 0,
+           "num_vocab_tiling", m.num_vocab_tiling,
+           f"must be a positive divisor of max_target_length={m.max_target_length}")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

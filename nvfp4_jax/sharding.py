@@ -33,6 +33,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("q_heads_x_dim", None),
     ("kv_heads_x_dim", None),
     ("norm", None),
+    ("layers", None),
     # Activations: split over the batch only (FSDP gathers weights, never activations).
     ("activation_batch", ("data", "fsdp")),
     ("activation_length", None),
@@ -41,6 +42,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_heads", None),
     ("activation_kv", None),
     ("activation_vocab", None),
+    # The embedding lookup: tokens split over `data` only, the looked-up rows split along D over
+    # `fsdp` like the table itself (see model.layers.Embed).
+    ("activation_lookup_batch", "data"),
+    ("activation_lookup_embed", "fsdp"),
 )
 
 

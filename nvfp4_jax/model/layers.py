@@ -4,7 +4,12 @@ Shape letters: B batch, L sequence, D model width, F MLP width, V vocabulary, H 
 G key/value heads, R = H / G query heads per key/value head, K head dim, M key positions.
 
 Every projection is a `Dense`, which calls the `dot_general` its factory gives it; nothing here
-knows what that dot does. Parameters are fp32; `Dense` casts them to the compute dtype.
+knows what that dot does. Parameters are fp32. `Dense` casts its kernel to the compute dtype for
+`jax.lax.dot_general`, and hands a given dot_general the fp32 kernel, so that a quantized dot
+quantizes from the master weights and returns their gradient in fp32.
+
+Each projection's output carries a `checkpoint_name` (MaxText's names: `query_proj`, ...,
+`mlpwo`, and `context` for the attention output) for the remat policies in `llama.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from nvfp4_jax.model.attention import ATTENTION_FNS
 
 # A zero-argument factory returning a `jax.lax.dot_general`-compatible callable (a plain function
 # or a Flax module instance); None means `jax.lax.dot_general`.
@@ -28,6 +36,7 @@ PARAM_AXES = {
     "q_heads_x_dim": "query heads x head dim, H*K (Q columns, O rows)",
     "kv_heads_x_dim": "key/value heads x head dim, G*K (K and V columns)",
     "norm": "RMSNorm scale, D",
+    "layers": "decoder layer of a scanned block, N (the leading axis nn.scan adds)",
 }
 
 # Logical axis names of activations; nvfp4_jax.sharding maps them (outside a mesh they are no-ops).
@@ -39,6 +48,8 @@ ACTIVATION_AXES = {
     "activation_heads": "attention heads of activations, H or G",
     "activation_kv": "head dim of activations, K",
     "activation_vocab": "logits' vocabulary axis, V",
+    "activation_lookup_batch": "batch of the embedding lookup (data-parallel split only), B",
+    "activation_lookup_embed": "model width of the embedding lookup (split like the table), D",
 }
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLF = ("activation_batch", "activation_length", "activation_mlp")
@@ -51,7 +62,7 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     return nn.with_logical_constraint(x, logical_axes)
 
 
-_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
 class Dense(nn.Module):
@@ -61,30 +72,40 @@ class Dense(nn.Module):
     kernel_axes: tuple[str, str]
     dtype: Any = jnp.bfloat16
     dot_general_cls: DotGeneralFactory = None
-    # Only the LM head asks for fp32 output; it never gets a quantized dot.
-    preferred_element_type: Any = None
+    # Name of the output for remat policies (jax.ad_checkpoint.checkpoint_name); None: untagged.
+    checkpoint_tag: Optional[str] = None
 
     @nn.compact
     def __call__(self, x_BxLxK: jax.Array) -> jax.Array:
         kernel_KxN = self.param(
             "kernel",
-            nn.with_logical_partitioning(_kernel_init, self.kernel_axes),
+            nn.with_logical_partitioning(kernel_init, self.kernel_axes),
             (x_BxLxK.shape[-1], self.features),
             jnp.float32,
         )
-        dot_general = self.dot_general_cls() if self.dot_general_cls else jax.lax.dot_general
+        if self.dot_general_cls:
+            # A given dot (quantized) takes the fp32 master kernel: it quantizes from full
+            # precision and returns the kernel's gradient in fp32, as the recipe says.
+            dot_general, kernel_KxN = self.dot_general_cls(), kernel_KxN
+        else:
+            dot_general, kernel_KxN = jax.lax.dot_general, kernel_KxN.astype(self.dtype)
         dims = (((x_BxLxK.ndim - 1,), (0,)), ((), ()))
         # Ask every dot for fp32 output (fp32 accumulation, rounded once to the output dtype);
         # on CPU a bf16-output dot is also about 2x slower.
         y_BxLxN = dot_general(
-            x_BxLxK.astype(self.dtype), kernel_KxN.astype(self.dtype), dims,
-            preferred_element_type=jnp.float32,
-        )
-        return y_BxLxN.astype(self.preferred_element_type or self.dtype)
+            x_BxLxK.astype(self.dtype), kernel_KxN, dims, preferred_element_type=jnp.float32,
+        ).astype(self.dtype)
+        return checkpoint_name(y_BxLxN, self.checkpoint_tag) if self.checkpoint_tag else y_BxLxN
 
 
 class Embed(nn.Module):
-    """Token embedding: an fp32 [V, D] table, looked up and returned in `dtype`."""
+    """Token embedding: an fp32 [V, D] table, looked up and returned in `dtype`.
+
+    Under FSDP the table stays split along D as stored: every device of an FSDP group looks up
+    the group's tokens in its own D-slice (the token ids are gathered, a few bytes each), and
+    one all-to-all turns the `[B_group, L, D/fsdp]` result into this device's `[B/devices, L, D]`
+    rows. No device ever holds the whole table, and the backward pass scatters into the slice.
+    """
 
     vocab_size: int
     features: int
@@ -98,10 +119,15 @@ class Embed(nn.Module):
             (self.vocab_size, self.features),
             jnp.float32,
         )
-        # Gather the table whole (FSDP gathers weights) so the lookup runs on this device's rows
-        # of the batch, rather than looking up embedding slices and moving activations.
-        embedding_VxD = constrain(embedding_VxD, (None, None))
-        return constrain(jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(self.dtype), BLD)
+        table_VxD = constrain(embedding_VxD, ("vocab", "embed"))
+        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_length"))
+        # Look up in fp32 (the backward scatter-adds repeated tokens' gradients in fp32), then
+        # cast before the all-to-all, which moves half the bytes.
+        x_BxLxD = constrain(
+            jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype),
+            ("activation_lookup_batch", "activation_length", "activation_lookup_embed"),
+        )
+        return constrain(x_BxLxD, BLD)
 
 
 class RMSNorm(nn.Module):
@@ -161,24 +187,6 @@ def apply_rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, inv_freq_K2: np.nda
     return rotated.astype(x_BxLxHxK.dtype)
 
 
-def causal_attention(q_BxLxHxK: jax.Array, k_BxMxGxK: jax.Array, v_BxMxGxK: jax.Array) -> jax.Array:
-    """Grouped-query causal softmax attention; scores and softmax in fp32, output in q's dtype."""
-    B, L, H, K = q_BxLxHxK.shape
-    G = k_BxMxGxK.shape[2]
-    q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
-    scores_BxGxRxLxM = jnp.einsum(
-        "blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxMxGxK, preferred_element_type=jnp.float32
-    ) / np.sqrt(K).astype(np.float32)
-    causal_LxM = jnp.tril(jnp.ones((L, k_BxMxGxK.shape[1]), dtype=bool))
-    # A finite minimum (not -inf) keeps fully masked rows NaN-free; exp() of it is exactly 0.
-    scores_BxGxRxLxM = jnp.where(causal_LxM, scores_BxGxRxLxM, jnp.finfo(jnp.float32).min)
-    probs_BxGxRxLxM = jax.nn.softmax(scores_BxGxRxLxM, axis=-1).astype(q_BxLxHxK.dtype)
-    out_BxLxGxRxK = jnp.einsum(
-        "bgrlm,bmgk->blgrk", probs_BxGxRxLxM, v_BxMxGxK, preferred_element_type=jnp.float32
-    )
-    return out_BxLxGxRxK.reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
-
-
 class Attention(nn.Module):
     """Q/K/V projections, rotary embedding, causal GQA, output projection."""
 
@@ -188,6 +196,8 @@ class Attention(nn.Module):
     inv_freq: tuple[float, ...]
     dtype: Any = jnp.bfloat16
     dot_general_cls: DotGeneralFactory = None
+    # One of attention.KERNELS (already resolved: never "autoselected" here).
+    kernel: str = "dot_product"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -195,7 +205,8 @@ class Attention(nn.Module):
         H, G, K = self.num_query_heads, self.num_kv_heads, self.head_dim
 
         def dense(features, axes, name):
-            return Dense(features, axes, self.dtype, self.dot_general_cls, name=name)
+            return Dense(features, axes, self.dtype, self.dot_general_cls, name=name,
+                         checkpoint_tag=f"{name}_proj")
 
         q_BxLxHxK = dense(H * K, ("embed", "q_heads_x_dim"), "query")(x_BxLxD).reshape(B, L, H, K)
         k_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "key")(x_BxLxD).reshape(B, L, G, K)
@@ -205,7 +216,8 @@ class Attention(nn.Module):
         q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_L, inv_freq_K2), BLHK)
         k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_L, inv_freq_K2), BLHK)
         v_BxLxGxK = constrain(v_BxLxGxK, BLHK)
-        ctx_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        ctx_BxLxHxK = ATTENTION_FNS[self.kernel](q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        ctx_BxLxHxK = checkpoint_name(constrain(ctx_BxLxHxK, BLHK), "context")
         return dense(D, ("q_heads_x_dim", "embed"), "out")(ctx_BxLxHxK.reshape(B, L, H * K))
 
 
@@ -220,10 +232,10 @@ class MLP(nn.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         D = x_BxLxD.shape[-1]
 
-        def dense(features, axes, name):
-            return Dense(features, axes, self.dtype, self.dot_general_cls, name=name)
+        def dense(features, axes, name, tag):
+            return Dense(features, axes, self.dtype, self.dot_general_cls, name=name, checkpoint_tag=tag)
 
-        gate_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "gate")(x_BxLxD)
-        up_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "up")(x_BxLxD)
+        gate_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "gate", "mlpwi_0")(x_BxLxD)
+        up_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "up", "mlpwi_1")(x_BxLxD)
         hidden_BxLxF = constrain(nn.silu(gate_BxLxF) * up_BxLxF, BLF)
-        return dense(D, ("mlp", "embed"), "down")(hidden_BxLxF)
+        return dense(D, ("mlp", "embed"), "down", "mlpwo")(hidden_BxLxF)

@@ -6,6 +6,9 @@ more than its shard of the model or optimizer state.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Iterable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,7 @@ from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ModelConfig
-from nvfp4_jax.model import Llama
+from nvfp4_jax.model import Llama, layer_blocks, select_attention
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_train_step
 
@@ -23,13 +26,58 @@ ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 
 
 def build_model(model_cfg: ModelConfig, *, quantized: bool = True) -> Llama:
-    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots."""
+    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
+
+    The attention kernel is selected here, before anything is traced (`describe_attention`
+    says which and why).
+    """
     mlp_dot = attention_dot = None
     if quantized:
         mlp_dot = quant.dot_general_factory(model_cfg.quantization)
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
-    return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot)
+    kernel = select_attention(model_cfg.attention).kernel
+    platform = jax.devices()[0].platform
+    if kernel == "cudnn_flash" and platform != "gpu":
+        raise ValueError(
+            f"attention={model_cfg.attention} runs only on NVIDIA GPUs (cuDNN) and this run's "
+            f"devices are {platform}: use attention=autoselected or attention=dot_product"
+        )
+    return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot,
+                 attention_kernel=kernel)
+
+
+def describe_attention(model_cfg: ModelConfig) -> str:
+    """The start-up line: which attention kernel this run uses, and why."""
+    kernel, reason = select_attention(model_cfg.attention)
+    return f"attention: {kernel} ({reason})"
+
+
+def _top_level_params(model_cfg: ModelConfig) -> set[str]:
+    names = {block.name for block in layer_blocks(model_cfg)}
+    return names | {"token_embedder", "final_norm", "lm_head"}
+
+
+def layout_mismatch(model_cfg: ModelConfig, saved_param_names: Iterable[str]) -> str | None:
+    """Why a checkpoint whose params have these top-level names cannot restore into this layout.
+
+    None when the names are this config's (or match neither layout: then let the restore say
+    what else differs). A scanned checkpoint stacks its decoder layers under `layers`, an
+    unrolled one keeps `layers_{i}`: the same numbers, but a checkpoint holds one layout. Call it
+    with `manager.item_metadata(step)["state"]["params"].keys()` before restoring.
+    """
+    saved = set(saved_param_names)
+    if saved == _top_level_params(model_cfg):
+        return None
+    other = dataclasses.replace(model_cfg, scan_layers=not model_cfg.scan_layers)
+    if saved != _top_level_params(other):
+        return None
+    return (
+        f"The checkpoint holds the scan_layers={other.scan_layers} layout (decoder parameters "
+        f"{'stacked under layers' if other.scan_layers else 'in layers_0, layers_1, ...'}) but this "
+        f"run has scan_layers={model_cfg.scan_layers}: resume with scan_layers={other.scan_layers}, "
+        "or start a new run_name."
+    )
 
 
 def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int, key):

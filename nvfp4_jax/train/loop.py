@@ -38,7 +38,9 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import RESUME_MUTABLE_KEYS, Config, ConfigError, resume_differences, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
-from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
+from nvfp4_jax.train.build import (
+    build_model, describe_attention, init_state, jit_eval_step, jit_train_step, state_shardings,
+)
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
@@ -117,6 +119,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         for split in ("train", "eval")
     }
     console.info(f"data: {datasets['train'].describe()}; {datasets['eval'].describe()}")
+    console.info(describe_attention(cfg.model))
     for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
         console.warn(f"warning: {warning}")
     run_dir = _make_run_directory(cfg)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 from nvfp4_jax.quant import quant_rngs
@@ -19,13 +19,15 @@ def _variables(params, fp8_meta):
     return {"params": params, **fp8_meta}
 
 
-def token_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token loss in fp32, and the number of tokens it averages (MaxText's total_weights)."""
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV.astype(jnp.float32), targets_BxL
+def _loss(model: nn.Module, params, fp8_meta, batch, key) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token loss in fp32, and the number of tokens it averages (MaxText's total_weights).
+
+    The model computes it (`Llama.loss`), so that the LM head can run inside the loss's tiles.
+    """
+    return model.apply(
+        _variables(params, fp8_meta), batch["inputs"], batch["targets"], method="loss",
+        rngs=quant_rngs(key),
     )
-    total_weights = jnp.asarray(targets_BxL.size, jnp.float32)
-    return losses_BxL.sum() / total_weights, total_weights
 
 
 def make_train_step(
@@ -37,13 +39,9 @@ def make_train_step(
     its FP8 histories pass through untouched instead of being overwritten by zero cotangents.
     """
 
-    def loss_fn(params, fp8_meta, batch, key):
-        logits = model.apply(_variables(params, fp8_meta), batch["inputs"], rngs=quant_rngs(key))
-        return token_cross_entropy(logits, batch["targets"])
-
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         (loss, total_weights), (grads, fp8_grads) = jax.value_and_grad(
-            loss_fn, argnums=(0, 1), has_aux=True
+            functools.partial(_loss, model), argnums=(0, 1), has_aux=True
         )(state.params, state.fp8_meta, batch, state.sr_key())
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -72,9 +70,6 @@ def make_eval_step(model: nn.Module) -> Callable:
     def eval_step(state: TrainState, batch) -> jax.Array:
         # The forward pass never rounds stochastically, but a quantized dot may still ask its
         # rng stream for a key: any fixed one will do.
-        logits = model.apply(
-            _variables(state.params, state.fp8_meta), batch["inputs"], rngs=quant_rngs(state.rng)
-        )
-        return token_cross_entropy(logits, batch["targets"])[0]
+        return _loss(model, state.params, state.fp8_meta, batch, state.rng)[0]
 
     return eval_step

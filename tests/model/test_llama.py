@@ -11,12 +11,13 @@ import pytest
 from nvfp4_jax.config import ModelConfig, make_config
 from nvfp4_jax.flops import parameter_count
 from nvfp4_jax.model import Llama
-from nvfp4_jax.model.layers import RMSNorm, apply_rope, causal_attention, rope_frequencies
+from nvfp4_jax.model.attention import causal_attention
+from nvfp4_jax.model.layers import RMSNorm, apply_rope, rope_frequencies
 
 SMALL = ModelConfig(
     vocab_size=64, base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, head_dim=8,
-    base_mlp_dim=48, base_num_decoder_layers=4, max_target_length=16,
-)
+    base_mlp_dim=48, base_num_decoder_layers=4, max_target_length=16, scan_layers=False,
+)  # unrolled: per-layer module paths; test_layout.py covers the scanned layout
 B, L = 2, 8
 
 
@@ -51,8 +52,17 @@ def test_causality_by_gradient(variables):
     assert np.all(per_position[: t + 1] > 0.0), per_position
 
 
+_SEEN_DTYPES = set()
+
+
 def _plain_factory():
-    return lambda *a, **k: jax.lax.dot_general(*a, **k)
+    def dot(lhs, rhs, *args, **kwargs):
+        # A given dot gets the activations in the compute dtype and the fp32 master kernel;
+        # casting the kernel itself makes it the model's own bf16 path.
+        _SEEN_DTYPES.add((lhs.dtype, rhs.dtype))
+        return jax.lax.dot_general(lhs, rhs.astype(lhs.dtype), *args, **kwargs)
+
+    return dot
 
 
 def test_plain_dot_seam_is_bit_identical(variables):
@@ -61,7 +71,9 @@ def test_plain_dot_seam_is_bit_identical(variables):
     seamed = Llama(SMALL, mlp_dot_general_cls=_plain_factory, attention_dot_general_cls=_plain_factory)
     abstract = jax.eval_shape(seamed.init, jax.random.PRNGKey(0), tokens)
     assert jax.tree.structure(abstract) == jax.tree.structure(variables)
+    _SEEN_DTYPES.clear()
     np.testing.assert_array_equal(plain.apply(variables, tokens), seamed.apply(variables, tokens))
+    assert _SEEN_DTYPES == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))}
 
 
 # (tag, module path, lhs shape, rhs shape) per call, appended at trace time.
@@ -243,3 +255,49 @@ def test_parameter_count_of_presets(name, published):
         assert abs(count - published) / published < 0.005
     if name == "llama3-8b":
         assert count == published
+
+
+@pytest.mark.parametrize("recipe", ["te_nvfp4", "te_fp8_delayedscaling"])
+def test_quantized_projections_get_their_kernel_gradient_in_fp32(recipe):
+    """WGRAD leaves the quantized dot in fp32: Dense hands it the fp32 kernel, not a bf16 copy."""
+    from nvfp4_jax.model.layers import Dense
+    from nvfp4_jax.quant import dot_general_factory
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 48), jnp.float32)
+    quantized = Dense(48, ("embed", "mlp"), dot_general_cls=dot_general_factory(recipe))
+    plain = Dense(48, ("embed", "mlp"))
+    variables = nn.meta.unbox(
+        jax.jit(quantized.init)({"params": jax.random.PRNGKey(2), "quant": jax.random.PRNGKey(3)}, x))
+
+    def kernel_grad(dense):
+        def f(params):
+            out = dense.apply({**variables, "params": params}, x, rngs={"quant": jax.random.PRNGKey(4)})
+            return jnp.vdot(out.astype(jnp.float32), dy)
+        return jax.jit(jax.grad(f))(variables["params"])["kernel"]
+
+    def bf16_rounded(a):
+        return np.array_equal(np.asarray(a), np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32)))
+
+    got = kernel_grad(quantized)
+    assert got.dtype == jnp.float32
+    assert not bf16_rounded(got)  # a bf16 cast on the way would leave only bf16 values
+    # The bf16 lax.dot_general path keeps casting the kernel, so its gradient is bf16-valued.
+    assert bf16_rounded(kernel_grad(plain))
+
+
+def test_embedding_gradient_adds_repeated_tokens_in_fp32():
+    from nvfp4_jax.model.layers import Embed
+
+    embed = Embed(vocab_size=8, features=16)
+    tokens = jnp.zeros((4, 256), jnp.int32).at[:, ::2].set(3)  # token 3 and token 0, 512 times each
+    variables = nn.meta.unbox(embed.init(jax.random.PRNGKey(0), tokens))
+    dy = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 16), jnp.float32).astype(jnp.bfloat16)
+    _, vjp = jax.vjp(lambda p: embed.apply({"params": p}, tokens), variables["params"])
+    grad = np.asarray(vjp(dy)[0]["embedding"])
+    dy64 = np.asarray(dy, np.float64)
+    want = np.zeros((8, 16))
+    np.add.at(want, np.asarray(tokens).ravel(), dy64.reshape(-1, 16))
+    # fp32 accumulation of 512 terms: a few fp32 ulps; a bf16 sum would be off by ~1e-2.
+    np.testing.assert_allclose(grad, want, rtol=0, atol=1e-4)
+    assert np.all(grad[[1, 2, 4, 5, 6, 7]] == 0)
