@@ -8,10 +8,11 @@ virtual devices is not comparable to those at the last bit, so the reference is 
 
 import json
 import os
-import selectors
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -93,6 +94,16 @@ class Training:
                 env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
             )
         self.stdout: list[str] = []
+        # A thread reads stdout line by line: select() on a buffered pipe misses lines that the
+        # buffer already holds.
+        self._lines: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
 
     @property
     def stderr(self) -> str:
@@ -101,18 +112,18 @@ class Training:
 
     def wait_for(self, prefix: str, timeout: float = 300) -> str:
         """Reads stdout until a line starting with `prefix`; fails if the process ends first."""
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not selector.select(timeout=deadline - time.monotonic()):
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
                 break
-            line = self.proc.stdout.readline()
-            if not line:
+            if line is None:
+                self._lines.put(None)  # keep the end-of-output mark for finish()
                 break
-            self.stdout.append(line.rstrip("\n"))
+            self.stdout.append(line)
             if line.startswith(prefix):
-                return line.rstrip("\n")
+                return line
         pytest.fail(f"no line starting {prefix!r}; stdout: {self.stdout[-5:]}; stderr: {self.stderr[-2000:]}")
 
     def release(self) -> None:
@@ -121,8 +132,16 @@ class Training:
         self.proc.stdin.flush()
 
     def finish(self, timeout: float = 300) -> int:
-        out, _ = self.proc.communicate(timeout=timeout)
-        self.stdout.extend(out.splitlines())
+        """Waits for the process to end; returns its exit code (-N: ended by signal N)."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._reader.join(timeout=60)
+        while (line := self._lines.get_nowait()) is not None:
+            self.stdout.append(line)
         return self.proc.returncode
 
 
