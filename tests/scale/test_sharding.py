@@ -116,7 +116,7 @@ def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
     from nvfp4_jax.train.build import build_model, init_state, state_shardings
     from nvfp4_jax.train.optimizer import make_optimizer
 
-    cfg = load_config(TINY[:3] + ["quantization=te_fp8_delayedscaling"])
+    cfg = load_config(TINY[:3] + ["quantization=te_fp8_delayedscaling", "scan_layers=true"])
     model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
     mesh8 = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=8))
     state, _ = init_state(model, optimizer, 64, mesh8, seed=0)
