@@ -27,10 +27,10 @@ def test_a_scanned_checkpoint_is_named_as_such_when_restored_unrolled(tmp_path):
 
 def test_unrolled_names_and_unrelated_trees():
     unrolled = ["token_embedder", "layers_0", "layers_1", "final_norm", "lm_head"]
-    message = layout_mismatch(load_config(BASE).model, unrolled)
+    message = layout_mismatch(load_config(BASE + ["scan_layers=true"]).model, unrolled)
     assert "holds the scan_layers=False layout (decoder parameters in layers_0, layers_1, ...)" in message
     # A tree that is neither layout (another depth, another model) is left to the restore.
-    assert layout_mismatch(load_config(BASE).model, unrolled[:2] + unrolled[3:]) is None
+    assert layout_mismatch(load_config(BASE + ["scan_layers=true"]).model, unrolled[:2] + unrolled[3:]) is None
     # With BF16 edges the scanned layout keeps them unrolled around `layers`.
-    edges = load_config(BASE + ["base_num_decoder_layers=3", "bf16_first_layers=1"]).model
+    edges = load_config(BASE + ["scan_layers=true", "base_num_decoder_layers=3", "bf16_first_layers=1"]).model
     assert layout_mismatch(edges, ["token_embedder", "layers_0", "layers", "final_norm", "lm_head"]) is None

@@ -57,11 +57,12 @@ def _assert_trees_bitwise(a, b):
 
 
 def test_layer_blocks_scan_the_quantized_middle_and_unroll_the_bf16_ends():
-    blocks = layer_blocks(_cfg("base_num_decoder_layers=6", "bf16_first_layers=1", "bf16_last_layers=2").model)
+    blocks = layer_blocks(_cfg("scan_layers=true", "base_num_decoder_layers=6", "bf16_first_layers=1",
+                               "bf16_last_layers=2").model)
     assert [(b.name, b.start, b.stop) for b in blocks] == [
         ("layers_0", 0, 1), ("layers", 1, 4), ("layers_4", 4, 5), ("layers_5", 5, 6)]
     assert [b.name for b in layer_blocks(_cfg("scan_layers=false").model)] == ["layers_0", "layers_1", "layers_2"]
-    every_layer_bf16 = _cfg("bf16_first_layers=2", "bf16_last_layers=1").model
+    every_layer_bf16 = _cfg("scan_layers=true", "bf16_first_layers=2", "bf16_last_layers=1").model
     assert not any(b.scanned for b in layer_blocks(every_layer_bf16))
 
 
@@ -131,7 +132,7 @@ def test_scanned_and_unrolled_give_bitwise_the_same_loss_and_gradients_in_fp32(r
     common = (f"quantization={recipe}", "dtype=float32", "bf16_last_layers=1")
     loss_s, grads_s, meta_s = _loss_and_grads(_cfg(*common, "scan_layers=true"))
     loss_u, grads_u, meta_u = _loss_and_grads(_cfg(*common, "scan_layers=false"))
-    blocks = layer_blocks(_cfg(*common).model)
+    blocks = layer_blocks(_cfg(*common, "scan_layers=true").model)
     assert float(loss_s) == float(loss_u)
     _assert_trees_bitwise(grads_s, _stack_unrolled(grads_u, blocks))
     # The FP8 histories are stacked per layer and their next state comes out stacked too.
@@ -173,7 +174,7 @@ def test_scanned_and_unrolled_train_alike_in_bf16(recipe):
 ])
 def test_remat_policies_give_the_gradients_of_no_remat_bitwise(recipe, policies):
     """The quantized dot's custom VJP under remat: its saved operands are recomputed, not lost."""
-    common = (f"quantization={recipe}", "dtype=float32")
+    common = (f"quantization={recipe}", "dtype=float32", "scan_layers=true")
     want = _loss_and_grads(_cfg(*common, "remat_policy=none"))
     for policy in policies:
         got = _loss_and_grads(_cfg(*common, f"remat_policy={policy}"))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nvfp4_jax.config import ConfigError, load_config
+from nvfp4_jax.config import ConfigError, ModelConfig, load_config
 
 
 @pytest.mark.parametrize("arg, pattern", [
@@ -18,7 +18,12 @@ def test_bad_layout_values_are_clear_errors(arg, pattern):
         load_config(["model_name=tiny", arg])
 
 
-def test_defaults_and_aliases():
-    m = load_config([]).model
+def test_defaults_and_presets():
+    m = ModelConfig()
     assert (m.attention, m.scan_layers, m.remat_policy, m.num_vocab_tiling) == ("autoselected", True, "none", 1)
+    assert load_config(["model_name=llama3-8b"]).model.scan_layers
+    # The CPU-sized presets unroll their few layers (faster steps on CPU); a key overrides it.
+    assert not load_config(["model_name=tiny"]).model.scan_layers
+    assert not load_config(["model_name=small-25m"]).model.scan_layers
+    assert load_config(["model_name=tiny", "scan_layers=true"]).model.scan_layers
     assert load_config(["attention=cudnn_flash_te"]).model.attention == "cudnn_flash_te"

@@ -118,7 +118,8 @@ def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsh
     from nvfp4_jax.train.optimizer import make_optimizer
 
     cfg = load_config(["model_name=tiny", "base_num_decoder_layers=1", "max_target_length=64", "dtype=float32",
-                       "quantization=te_fp8_delayedscaling", "learning_rate=1e-2", "warmup_steps_fraction=0"])
+                       "quantization=te_fp8_delayedscaling", "learning_rate=1e-2", "warmup_steps_fraction=0",
+                       "scan_layers=true"])
     model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
     train = data_lib.make_dataset(cfg.data, seq_len=64, global_batch_size=8, seed=0, split="train", vocab_size=256)
 

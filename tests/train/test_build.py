@@ -15,8 +15,7 @@ from nvfp4_jax.train.optimizer import make_optimizer
 from nvfp4_jax.train.step import make_train_step
 from nvfp4_jax.sharding import make_mesh
 
-SMALL = ["model_name=tiny", "base_num_decoder_layers=3", "max_target_length=32", "ici_fsdp_parallelism=1",
-         "scan_layers=false"]  # module paths per layer (tests/model/test_layout.py covers the scan)
+SMALL = ["model_name=tiny", "base_num_decoder_layers=3", "max_target_length=32", "ici_fsdp_parallelism=1"]
 TOKENS = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 256)
 
 
