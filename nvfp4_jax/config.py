@@ -34,6 +34,8 @@ QUANTIZATION_FLAGS = (
     "mxfp4",
 )
 ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
+# Which code runs the MLP GEMMs (nvfp4_jax.quant.backends.BACKENDS; docs/backends.md).
+QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
 
@@ -63,6 +65,8 @@ class ModelConfig:
     # MLP GEMM recipe (nvfp4_jax.quant flag) and the attention projections' policy.
     quantization: str = ""
     attention_quantization: str = ""
+    # auto: xla where jax.nn.scaled_matmul reaches FP4 tensor cores, else emulated; never te.
+    quantization_backend: str = "auto"
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
@@ -300,6 +304,8 @@ def validate(cfg: Config) -> None:
            f"choose one of {list(QUANTIZATION_FLAGS)}")
     _check(m.attention_quantization in ATTENTION_QUANTIZATION_FLAGS, "attention_quantization",
            m.attention_quantization, f"choose one of {list(ATTENTION_QUANTIZATION_FLAGS)}")
+    _check(m.quantization_backend in QUANTIZATION_BACKENDS, "quantization_backend",
+           m.quantization_backend, f"choose one of {list(QUANTIZATION_BACKENDS)}")
     _check(m.dtype in ("bfloat16", "float32"), "dtype", m.dtype, "bfloat16 or float32")
     _check(m.weight_dtype in ("float32",), "weight_dtype", m.weight_dtype,
            "float32 (master weights stay fp32)")

@@ -49,6 +49,12 @@ def latest_step(manager: ocp.CheckpointManager) -> int | None:
     return manager.latest_step()
 
 
+def read_record(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """The JSON record saved with checkpoint `step`, without restoring the state."""
+    restored = manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))
+    return dict(restored.record)
+
+
 def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
     """Restores onto `abstract_state`'s shapes, dtypes and shardings (any mesh).
 

@@ -23,7 +23,10 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, metrics as metrics_lib
-from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
+from nvfp4_jax.train.build import (
+    build_model, check_backend_resume, init_state, jit_eval_step, jit_train_step,
+    quantization_backend, state_shardings,
+)
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
@@ -70,7 +73,10 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     )
 
     optimizer = make_optimizer(t)
-    model = build_model(m, quantized=True)
+    backend = quantization_backend(m)
+    if is_lead:
+        print(backend.line, flush=True)
+    model = build_model(m, quantized=True, backend=backend)
     state, state_sh = init_state(model, optimizer, m.max_target_length, mesh, t.seed)
     batch_sh = sharding.batch_sharding(mesh)
     train_step = jit_train_step(model, optimizer, mesh, state_sh)
@@ -91,6 +97,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         )
         last_saved = checkpoint.latest_step(manager)
         if last_saved is not None:
+            check_backend_resume(checkpoint.read_record(manager, last_saved), backend, m)
             abstract, _ = state_shardings(model, optimizer, m.max_target_length, mesh)
             state, record = checkpoint.restore(manager, abstract)
             if is_lead:
@@ -177,7 +184,8 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
             if manager is not None and (done % t.checkpoint_period == 0 or done == t.steps):
                 report(pending)  # never save a state whose step went non-finite
                 pending = None
-                checkpoint.save(manager, state, {"step": done, "data_step": done, "config": to_dict(cfg)})
+                checkpoint.save(manager, state, {"step": done, "data_step": done, "config": to_dict(cfg),
+                                                 "quantization_backend": backend.name})
                 last_saved = done
             if done % t.eval_interval == 0 and done != t.steps:
                 evaluate(done)
