@@ -103,6 +103,9 @@ def test_example_script_runs_end_to_end(tmp_path):
                r"total_weights: 512, loss: [\d.]+, lm_loss: [\d.]+, perplexity: [\d.]+")
     assert all(re.fullmatch(pattern, l) for l in lines), lines
     assert "emulated NVFP4" in out.stdout and "validation loss" in out.stdout
+    # Why TE was not chosen is printed, not hidden (here: TE is not installed).
+    assert "Transformer Engine not used: Transformer Engine's JAX package" in out.stdout
+    assert "quantization backend: emulated (auto: jax.nn.scaled_matmul does not lower on cpu" in out.stdout
     cfg = json.load(open(os.path.join(tmp_path, "example", "config.json")))
     assert cfg["model"]["quantization"] == "te_nvfp4"
 
