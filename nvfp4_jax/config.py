@@ -39,6 +39,8 @@ ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
 ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te")
 # MaxText's remat policy names (the ones that apply to this model) plus "none": no remat.
 REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_except_mlp")
+# Which code runs the MLP GEMMs (nvfp4_jax.quant.backends.BACKENDS; docs/backends.md).
+QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
 
@@ -68,6 +70,8 @@ class ModelConfig:
     # MLP GEMM recipe (nvfp4_jax.quant flag) and the attention projections' policy.
     quantization: str = ""
     attention_quantization: str = ""
+    # auto: xla where jax.nn.scaled_matmul reaches FP4 tensor cores, else emulated; never te.
+    quantization_backend: str = "auto"
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
@@ -166,6 +170,8 @@ RESUME_MUTABLE_KEYS = (
     # Memory/recompute trade-offs with the same state tree (remat is bitwise-neutral; loss tiling
     # changes only the order of the loss's sums).
     "remat_policy", "num_vocab_tiling",
+    # Another backend runs the same numerics where the state trees agree (checked on resume).
+    "quantization_backend",
 )
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
@@ -371,6 +377,8 @@ def validate(cfg: Config) -> None:
            f"choose one of {list(QUANTIZATION_FLAGS)}")
     _check(m.attention_quantization in ATTENTION_QUANTIZATION_FLAGS, "attention_quantization",
            m.attention_quantization, f"choose one of {list(ATTENTION_QUANTIZATION_FLAGS)}")
+    _check(m.quantization_backend in QUANTIZATION_BACKENDS, "quantization_backend",
+           m.quantization_backend, f"choose one of {list(QUANTIZATION_BACKENDS)}")
     _check(m.dtype in ("bfloat16", "float32"), "dtype", m.dtype, "bfloat16 or float32")
     _check(m.weight_dtype in ("float32",), "weight_dtype", m.weight_dtype,
            "float32 (master weights stay fp32)")

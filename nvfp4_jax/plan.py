@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import flops, sharding
+from nvfp4_jax import flops, projection, sharding
 from nvfp4_jax.config import Config, ConfigError, ModelConfig, load_config
 
 GIB = 1024**3
@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                              "mesh key, the devices of this machine)")
     parser.add_argument("--device-memory-gib", type=float, default=None,
                         help="memory of one device (default: the local accelerator's, if any)")
+    parser.add_argument("--project", choices=sorted(projection.DEVICES), default=None,
+                        help="also project the step time per recipe on this GPU (docs/backends.md)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(rest)
@@ -248,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     print(format_plan(cfg, plan))
+    if args.project:
+        device = projection.DEVICES[args.project]
+        estimates = projection.project(cfg.model, device, per_device_batch=cfg.train.per_device_batch_size,
+                                       seq_len=cfg.model.max_target_length, num_devices=num_devices)
+        print(projection.format_projection(cfg.model, device, estimates))
     return 1 if plan.fits is False else 0
 
 

@@ -20,20 +20,26 @@ else
   source scripts/setup_env.sh
 fi
 
-# Blackwell (compute capability 10.x) with Transformer Engine's JAX package?
-if "$PY" - <<'PYEOF' 2>/dev/null
+# Blackwell (compute capability 10.x) with a Transformer Engine that runs te_nvfp4? If not, say why.
+te_args=()
+if te_reason="$("$PY" - <<'PYEOF'
 import sys
-from nvfp4_jax.quant.te_backend import device_is_blackwell, te_available
-sys.exit(0 if te_available() and device_is_blackwell() else 1)
+from nvfp4_jax.quant import get_recipe
+from nvfp4_jax.quant.te_backend import te_unavailable_reason
+reason = te_unavailable_reason(get_recipe("te_nvfp4"))
+print(reason or "")
+sys.exit(1 if reason else 0)
 PYEOF
-then
+)"; then
   config=recipes/configs/llama3-8b.yml
-  echo "[nvfp4_example] Blackwell + Transformer Engine found: Llama 3 8B with real FP4 kernels"
+  te_args=("quantization_backend=te")
+  echo "[nvfp4_example] Blackwell + Transformer Engine found: Llama 3 8B on TE's FP4 kernels"
 else
   config=recipes/configs/tiny.yml
-  echo "[nvfp4_example] no Blackwell GPU with Transformer Engine: tiny Llama, emulated NVFP4"
+  echo "[nvfp4_example] Transformer Engine not used: ${te_reason:-its probe failed (see above)}"
+  echo "[nvfp4_example] tiny Llama; quantization_backend=auto: emulated NVFP4 unless jax.nn.scaled_matmul reaches FP4 tensor cores"
 fi
 
 args=()
 if [ -n "${QUANTIZATION:-}" ]; then args+=("quantization=$QUANTIZATION"); fi
-exec "$PY" -m nvfp4_jax.train "$config" ${args[@]+"${args[@]}"} "$@"
+exec "$PY" -m nvfp4_jax.train "$config" ${te_args[@]+"${te_args[@]}"} ${args[@]+"${args[@]}"} "$@"

@@ -37,7 +37,11 @@ from nvfp4_spec import ref_quantize, ref_rht_last_axis, spread_data, tie_rich_da
 from nvfp4_jax.quant import (  # noqa: E402
     dequantize,
     exact,
+    make_backend,
     make_dot_general,
+    probe_scaled_matmul,
+    scaled_matmul_reference,
+    xla_operand,
     nvfp4_gemm_operand,
     quantize_fp8,
     quantize_mxfp4,
@@ -253,6 +257,50 @@ def check_gemm(recipe, quick):
     return ops_diff == 0 and worst < 1e-4, detail
 
 
+def check_xla_gemm(recipe, quick):
+    """The xla backend (real jax.nn.scaled_matmul) against the emulated one on the accelerator:
+    every operand it hands scaled_matmul bitwise the emulated operand, outputs and gradients
+    within fp32 accumulation order (bf16 rounding for bf16 results)."""
+    probe = probe_scaled_matmul(ACCEL)
+    # Where it does not lower (CPU dry run), the check runs its logic on the jnp stand-in.
+    scaled_matmul = jax.nn.scaled_matmul if probe.lowers else scaled_matmul_reference
+    t, k, n = (64, 128, 96) if quick else (512, 1024, 768)
+    keys = jax.random.split(jax.random.key(8), 4)
+    x = jax.random.normal(keys[0], (2, t // 2, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (k, n), jnp.float32) * 0.05
+    g = jax.random.normal(keys[2], (2, t // 2, n), jnp.float32)
+    xla = make_backend("xla", scaled_matmul=scaled_matmul)
+    dims = (((2,), (0,)), ((), ()))
+
+    def fn(x, w, g, key):
+        outs = []
+        for backend in (xla, make_backend("emulated")):
+            dot = make_dot_general(recipe, key, backend=backend)
+            y, vjp = jax.vjp(lambda a, b: dot(a, b, dims, preferred_element_type=jnp.float32), x, w)
+            outs.append((y, *vjp(g)))
+        x2 = x.reshape(t, k)
+        ops = {}
+        for name, a, kw in (("x", x2, dict(axis=1)), ("w", w, dict(axis=0, two_d=True)),
+                            ("xt_rht", x2, dict(axis=0, rht=True))):
+            op = xla_operand(a, **kw)
+            codes, scales = op.view(kw["axis"])
+            deq = codes.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), 16, axis=-1)
+            want = nvfp4_gemm_operand(a, **kw)[0].astype(jnp.float32)
+            ops[name] = (deq, want.T if kw["axis"] == 0 else want)
+        return outs, ops
+
+    with jax.default_device(ACCEL):
+        (got, want), ops = jax.device_get(jax.jit(fn)(*jax.device_put((x, w, g, keys[3]), ACCEL)))
+    worst = 0.0
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+    ops_diff = sum(bit_diff(a, b) for a, b in ops.values())
+    detail = dict(scaled_matmul="jax.nn.scaled_matmul" if probe.lowers else f"jnp stand-in ({probe.detail})",
+                  fused_cudnn_fp4=probe.fused, operands_xla_vs_emulated=ops_diff, max_output_rel_diff=worst)
+    return ops_diff == 0 and worst < 2.0**-8, detail
+
+
 # --- driver -------------------------------------------------------------------------------------
 
 
@@ -296,6 +344,8 @@ def main(argv=None) -> int:
     record("fp8 delayed-scaling state update", check_fp8_delayed_update)
     for recipe in GEMM_RECIPES:
         record(f"emulated GEMM {recipe}", check_gemm, recipe, args.quick)
+    for recipe in ("te_nvfp4", "nvfp4_1d_weights"):
+        record(f"xla GEMM (jax.nn.scaled_matmul) vs emulated, {recipe}", check_xla_gemm, recipe, args.quick)
 
     failed = [r["check"] for r in results if not r["ok"]]
     report = dict(

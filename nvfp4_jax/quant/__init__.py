@@ -17,7 +17,9 @@ from .flax_dot import (
 )
 from .fp8_delayed import init_fp8_meta
 from .recipe import RECIPES, Recipe, get_recipe
-from .te_backend import TEUnavailableError, resolve_backend
+from .te_backend import TE, TEBackend, TEUnavailableError
+from .xla_backend import BlockScaledOperand, probe_scaled_matmul, scaled_matmul_reference, xla_operand
+from .backends import BACKENDS, BackendChoice, check_backend_resume, choose_backend, make_backend
 
 __all__ = [
     "exact",
@@ -51,6 +53,16 @@ __all__ = [
     "RECIPES",
     "Recipe",
     "get_recipe",
+    "TE",
+    "TEBackend",
     "TEUnavailableError",
-    "resolve_backend",
+    "BlockScaledOperand",
+    "probe_scaled_matmul",
+    "scaled_matmul_reference",
+    "xla_operand",
+    "BACKENDS",
+    "BackendChoice",
+    "check_backend_resume",
+    "choose_backend",
+    "make_backend",
 ]

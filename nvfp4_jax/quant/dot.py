@@ -42,7 +42,7 @@ from nvfp4_jax.quant.fp8 import quantize_fp8
 from nvfp4_jax.quant.mxfp4 import quantize_mxfp4
 from nvfp4_jax.quant.nvfp4 import dequantize, nvfp4_gemm_operand
 from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
-from nvfp4_jax.quant.te_backend import resolve_backend
+from nvfp4_jax.quant.te_backend import TEBackend
 
 # fold_in constants: the two stochastically rounded copies of dY must not share random bits.
 SR_DGRAD = 0
@@ -111,22 +111,21 @@ def make_dot_general(
       fp8_meta: delayed-scaling FP8 state of this layer (`fp8_delayed.init_fp8_meta`); required
         for "te_fp8_delayedscaling". The gradient with respect to it is the next state.
       backend: how NVFP4 operands are quantized and GEMMs run (`NVFP4Backend`; default: the
-        pure-jnp reference quantizer and the emulated GEMM). Also the hook for experiments,
-        e.g. an identity quantizer.
+        pure-jnp reference quantizer and the emulated GEMM; `backends.make_backend("xla")`
+        runs them through `jax.nn.scaled_matmul`). Also the hook for experiments, e.g. an
+        identity quantizer.
 
     Only the dense case is supported: `lhs[..., K]` contracting its last dim with `rhs[K, N]`,
-    no batch dims. This pure-function form always emulates; the Transformer Engine backend is
-    reached through `QuantDotGeneral`.
+    no batch dims. The Transformer Engine backend is reached through `QuantDotGeneral` only.
     """
     recipe = get_recipe(recipe)
     if recipe.is_bf16:
         return lax.dot_general
     name = recipe_name(recipe)
-    if recipe.backend == "te":
-        resolve_backend(recipe)  # raises TEUnavailableError without TE
+    if isinstance(backend, TEBackend):
         raise ValueError(
-            f"{name}: backend='te' runs through the Flax module QuantDotGeneral (TE keeps its "
-            "rng and state in Flax collections); make_dot_general only emulates"
+            f"{name}: the te backend runs through the Flax module QuantDotGeneral (TE keeps its "
+            "rng and state in Flax collections); make_dot_general takes an NVFP4Backend"
         )
     if recipe.needs_rng and key is None:
         raise ValueError(

@@ -24,7 +24,6 @@ pass through each layer: with gradient accumulation keep the last micro-batch's,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable, Optional, Union
 
@@ -47,12 +46,13 @@ class QuantDotGeneral(nn.Module):
 
     Attributes:
       recipe: a `Recipe` or its flag string.
-      nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`dot.NVFP4Backend`);
-        ignored by the other formats.
+      nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`dot.NVFP4Backend`,
+        ignored by the other formats), or `te_backend.TE`: Transformer Engine runs the whole
+        quantized GEMM of the recipe (NVFP4 or FP8). `backends.make_backend(name)` gives either.
     """
 
     recipe: Union[Recipe, str] = "te_nvfp4"
-    nvfp4_backend: NVFP4Backend = EMULATED
+    nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -62,17 +62,22 @@ class QuantDotGeneral(nn.Module):
                 lhs, rhs, dimension_numbers, precision=precision,
                 preferred_element_type=preferred_element_type,
             )
-        if te_backend.resolve_backend(recipe) == "te":
-            te_dot = te_backend.te_dot_general_cls(recipe)(name="te")
-            return te_dot(lhs, rhs, dimension_numbers, precision=precision)
+        if isinstance(self.nvfp4_backend, te_backend.TEBackend):
+            return self._te(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type)
         key = self._sr_key(recipe) if recipe.needs_rng else None
         meta = self._fp8_meta(recipe) if recipe.fp8_delayed else None
-        emulated = dataclasses.replace(recipe, backend="emulated")
-        dot_general = make_dot_general(emulated, key, fp8_meta=meta, backend=self.nvfp4_backend)
+        dot_general = make_dot_general(recipe, key, fp8_meta=meta, backend=self.nvfp4_backend)
         return dot_general(
             lhs, rhs, dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type,
         )
+
+    def _te(self, recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type):
+        te_dot = te_backend.te_dot_general_cls(recipe)(name="te")
+        y = te_dot(lhs, rhs, dimension_numbers, precision=precision)
+        # TE returns its GEMM's own output dtype (bf16 for NVFP4) and ignores the request.
+        out_dtype = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
+        return y.astype(out_dtype)
 
     def _sr_key(self, recipe: Recipe) -> jax.Array:
         if self.has_rng(RNG_STREAM):
@@ -98,7 +103,7 @@ class QuantDotGeneral(nn.Module):
 
 
 def dot_general_factory(
-    recipe: Union[Recipe, str], nvfp4_backend: NVFP4Backend = EMULATED
+    recipe: Union[Recipe, str], nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
 ) -> Optional[Callable[[], QuantDotGeneral]]:
     """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend)`, or None for bf16.
 

@@ -11,10 +11,8 @@ import dataclasses
 from typing import Literal, Mapping, Union
 
 Format = Literal["bf16", "nvfp4", "mxfp4", "fp8"]
-Backend = Literal["auto", "emulated", "te"]
 
 _FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
-_BACKENDS = ("auto", "emulated", "te")
 _FP8_SCALINGS = ("delayed", "current")
 # The element formats fix their block sizes; a field that could take other values would lie.
 _BLOCK_SIZES = {"bf16": None, "nvfp4": 16, "mxfp4": 32, "fp8": None}
@@ -42,9 +40,9 @@ class Recipe:
       (state carried by the train step, see `fp8_delayed`); "current" from the tensor itself.
     - `amax_history_len`, `margin`: TE `DelayedScaling` defaults (1024, 0); the scale is
       `fp8_max / max(history) / 2**margin`.
-    - `backend`: "emulated" runs the pure-JAX reference numerics on any device; "te" uses
-      Transformer Engine's kernels (Blackwell); "auto" picks TE where it imports and the GPU
-      reports compute capability 10.x, emulation elsewhere.
+
+    Which code runs these numerics (emulated, jax.nn.scaled_matmul, Transformer Engine) is not
+    part of the recipe: see `nvfp4_jax.quant.backends` and the `quantization_backend` key.
     """
 
     format: Format = "bf16"
@@ -55,13 +53,10 @@ class Recipe:
     fp8_scaling: Literal["delayed", "current"] = "current"
     amax_history_len: int = 1024
     margin: int = 0
-    backend: Backend = "auto"
 
     def __post_init__(self):
         if self.format not in _FORMATS:
             raise ValueError(f"Recipe.format={self.format!r}; allowed: {_FORMATS}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"Recipe.backend={self.backend!r}; allowed: {_BACKENDS}")
         if self.fp8_scaling not in _FP8_SCALINGS:
             raise ValueError(f"Recipe.fp8_scaling={self.fp8_scaling!r}; allowed: {_FP8_SCALINGS}")
         want = _BLOCK_SIZES[self.format]
@@ -123,8 +118,8 @@ def get_recipe(flag_or_recipe: Union[str, Recipe]) -> Recipe:
 
 
 def recipe_name(recipe: Recipe) -> str:
-    """The flag of a recipe (backend aside), or its repr if no flag matches."""
+    """The flag of a recipe, or its repr if no flag matches."""
     for flag, r in RECIPES.items():
-        if flag and dataclasses.replace(r, backend=recipe.backend) == recipe:
+        if flag and r == recipe:
             return flag
     return repr(recipe)

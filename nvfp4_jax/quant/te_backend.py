@@ -1,22 +1,33 @@
-"""The Transformer Engine backend, imported only when asked for.
+"""The Transformer Engine backend (`quantization_backend=te`), imported only when asked for.
 
 TE's JAX package (`transformer_engine.jax`) runs NVFP4 GEMMs on Blackwell (compute capability
-10.x). We use its public Flax helper `transformer_engine.jax.flax.make_dot_general_cls(recipe)`,
-which returns a Flax module class with `lax.dot_general`'s call signature, built from one of
-TE's recipe objects (`transformer_engine.common.recipe`). Facts about TE's side that the train
-step must know:
+10.x). We use its public Flax helper `transformer_engine.jax.flax.make_dot_general_cls(recipe)`
+(TE >= 2.12), which returns a Flax module class with `lax.dot_general`'s call signature, built
+from one of TE's recipe objects (`transformer_engine.common.recipe`). Facts about TE's side
+that the train step must know:
 
 - `NVFP4BlockScaling` draws its stochastic-rounding key from the Flax rng stream "sr_rng"
   (ours is "quant"); `nvfp4_jax.quant.flax_dot.quant_rngs` gives both streams.
 - `DelayedScaling` keeps its amax histories in the collection "_overwrite_with_gradient",
-  updated by the same overwrite-with-gradient rule as our "fp8_meta".
+  updated by the same overwrite-with-gradient rule as our "fp8_meta" (so a te_fp8_delayedscaling
+  state tree differs between TE and the other backends).
+- TE's custom partitioning reads a global `MeshResource` at trace and compile time: without one
+  a 2+ device compile asserts "Global mesh resource is not set", and without `fsdp_resource` the
+  amax is not reduced over FSDP shards. `mesh_resource_scope` sets it (MaxText sets the same
+  around its whole run); `train/build.py` enters it around init, train and eval when the
+  backend is te.
+- TE reduces the NVFP4 activation amax over the mesh axes it is told about, inside its own
+  kernels: a TE run under FSDP is not bit-identical to a one-GPU run (ours and the xla backend's
+  are, see docs/backends.md); compare TE runs within a tolerance.
 
-Nothing else in nvfp4_jax imports TE. This file cannot run here (no GPU); its tests cover the
-selection logic and the error messages.
+Nothing else in nvfp4_jax imports TE. This file cannot run here (no GPU, no TE); its tests run
+it against a fake TE module with TE's public names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 from typing import Any
@@ -27,30 +38,49 @@ from nvfp4_jax.quant.recipe import Recipe, recipe_name
 
 TE_RNG_STREAM = "sr_rng"
 TE_STATE_COLLECTION = "_overwrite_with_gradient"
+# The first TE release with transformer_engine.jax.flax.make_dot_general_cls.
+TE_MIN_VERSION = "2.12"
 
 _INSTALL_HINT = (
     "Transformer Engine's JAX package (`transformer_engine.jax`) is not importable here. "
-    "backend='te' needs it and an NVIDIA Blackwell GPU (compute capability 10.x). Use the GPU "
-    "container in docker/ (it ships TE), or install it with "
+    "quantization_backend=te needs it and an NVIDIA Blackwell GPU (compute capability 10.x). Use "
+    "the GPU container in docker/ (it ships TE), or install it with "
     "`pip install --no-build-isolation transformer_engine[jax]` on a CUDA machine; "
-    "backend='emulated' runs the same numerics in pure JAX on any device."
+    "quantization_backend=emulated runs the same numerics in pure JAX on any device, and "
+    "quantization_backend=xla reaches FP4 tensor cores through jax.nn.scaled_matmul without TE."
 )
 
 
 class TEUnavailableError(ImportError):
-    """backend='te' was asked for but Transformer Engine's JAX package does not import."""
+    """quantization_backend=te was asked for but Transformer Engine cannot run it here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TEBackend:
+    """The marker `QuantDotGeneral(nvfp4_backend=TE)` routes to TE: TE runs the whole quantized
+    GEMM (quantizers, three GEMMs, state) of any recipe it has (NVFP4 and FP8)."""
+
+    name: str = "te"
+
+
+TE = TEBackend()
 
 
 @functools.lru_cache(maxsize=None)
 def _import_te():
-    """(transformer_engine.jax, its flax submodule, its recipe module), or the ImportError."""
+    """`{name: module}` of the TE modules we use, or the exception importing them raised."""
+    names = {
+        "root": "transformer_engine",
+        "te": "transformer_engine.jax",
+        "flax": "transformer_engine.jax.flax",
+        "recipe": "transformer_engine.common.recipe",
+        "quantize": "transformer_engine.jax.quantize",
+        "sharding": "transformer_engine.jax.sharding",
+    }
     try:
-        te = importlib.import_module("transformer_engine.jax")
-        te_flax = importlib.import_module("transformer_engine.jax.flax")
-        te_recipe = importlib.import_module("transformer_engine.common.recipe")
+        return {k: importlib.import_module(v) for k, v in names.items()}
     except Exception as err:  # TE raises more than ImportError when CUDA libraries are missing.
         return err
-    return te, te_flax, te_recipe
 
 
 def te_available() -> bool:
@@ -58,18 +88,18 @@ def te_available() -> bool:
     return not isinstance(_import_te(), Exception)
 
 
-def _unavailable_message() -> str:
-    mods = _import_te()
-    detail = f" (import failed with: {mods!r})" if isinstance(mods, Exception) else ""
-    return _INSTALL_HINT + detail
-
-
-def require_te():
-    """`(te, te_flax, te_recipe)` modules, or TEUnavailableError saying how to get them."""
+def require_te() -> dict:
+    """The TE modules (`{"root", "te", "flax", "recipe", "quantize", "sharding"}`), or
+    TEUnavailableError saying how to get them."""
     mods = _import_te()
     if isinstance(mods, Exception):
-        raise TEUnavailableError(_unavailable_message()) from mods
+        raise TEUnavailableError(f"{_INSTALL_HINT} (import failed with: {mods!r})") from mods
     return mods
+
+
+def te_version() -> str:
+    """The installed `transformer_engine` version ("unknown" if it does not say)."""
+    return str(getattr(require_te()["root"], "__version__", "unknown"))
 
 
 def device_is_blackwell(devices=None) -> bool:
@@ -87,32 +117,9 @@ def te_supports(recipe: Recipe) -> bool:
     return recipe.format in ("nvfp4", "fp8")
 
 
-def resolve_backend(recipe: Recipe, *, te_ok=None, blackwell=None) -> str:
-    """The backend that will run `recipe`: "emulated" or "te".
-
-    "auto" picks TE only when TE imports, the GPU is compute capability 10.x and TE has the
-    recipe; otherwise emulation. "te" raises TEUnavailableError without TE and ValueError for a
-    recipe TE lacks. `te_ok` and `blackwell` override the probes (for tests).
-    """
-    if recipe.is_bf16 or recipe.backend == "emulated":
-        return "emulated"
-    if recipe.backend == "te":
-        if not (te_available() if te_ok is None else te_ok):
-            raise TEUnavailableError(_unavailable_message())
-        if not te_supports(recipe):
-            raise ValueError(
-                f"backend='te' has no Transformer Engine recipe for {recipe_name(recipe)} "
-                f"(format={recipe.format!r}); use backend='emulated'"
-            )
-        return "te"
-    te_ok = te_available() if te_ok is None else te_ok
-    blackwell = device_is_blackwell() if blackwell is None else blackwell
-    return "te" if (te_ok and blackwell and te_supports(recipe)) else "emulated"
-
-
 def te_recipe(recipe: Recipe) -> Any:
     """The `transformer_engine.common.recipe` object with our recipe's numerics."""
-    _, _, r = require_te()
+    r = require_te()["recipe"]
     if recipe.format == "nvfp4":
         return r.NVFP4BlockScaling(
             disable_rht=not recipe.rht_wgrad,
@@ -128,10 +135,58 @@ def te_recipe(recipe: Recipe) -> Any:
         )
     if recipe.format == "fp8":
         return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID)
-    raise ValueError(f"no Transformer Engine recipe for {recipe_name(recipe)}")
+    raise ValueError(
+        f"quantization_backend=te has no Transformer Engine recipe for {recipe_name(recipe)} "
+        f"(format={recipe.format!r}); use quantization_backend=emulated"
+    )
+
+
+def check_te(recipe: Recipe) -> str:
+    """TE's version, or raise saying why TE cannot run `recipe` on this machine's devices.
+
+    TEUnavailableError: TE does not import, is older than 2.12, or its own support test
+    (`get_quantize_config_with_recipe(recipe).is_supported()`) fails on the local GPUs.
+    ValueError: TE has no recipe for this format (MXFP4).
+    """
+    mods = require_te()
+    recipe_obj = te_recipe(recipe)
+    if not hasattr(mods["flax"], "make_dot_general_cls"):
+        raise TEUnavailableError(
+            f"Transformer Engine {te_version()} lacks transformer_engine.jax.flax."
+            f"make_dot_general_cls (added in TE {TE_MIN_VERSION}); upgrade TE (the container in "
+            "docker/ has a recent one) or use quantization_backend=xla or emulated"
+        )
+    supported, reason = mods["quantize"].get_quantize_config_with_recipe(recipe_obj).is_supported()
+    if not supported:
+        raise TEUnavailableError(
+            f"Transformer Engine {te_version()} cannot run {recipe_name(recipe)} on these devices: "
+            f"{reason} (NVFP4 needs compute capability 10.x); use quantization_backend=xla or emulated"
+        )
+    return te_version()
+
+
+def te_unavailable_reason(recipe: Recipe) -> str | None:
+    """Why TE cannot run `recipe` here, in one line; None when it can."""
+    try:
+        check_te(recipe)
+    except (TEUnavailableError, ValueError) as err:
+        return str(err)
+    return None
 
 
 def te_dot_general_cls(recipe: Recipe):
     """TE's Flax dot_general module class for `recipe` (call it with lax.dot_general's arguments)."""
-    _, te_flax, _ = require_te()
-    return te_flax.make_dot_general_cls(te_recipe(recipe))
+    check_te(recipe)
+    return require_te()["flax"].make_dot_general_cls(te_recipe(recipe))
+
+
+@contextlib.contextmanager
+def mesh_resource_scope(*, dp_axis: str, fsdp_axis: str):
+    """TE's global MeshResource for our ("data", "fsdp") mesh, for the duration of the block.
+
+    Enter it around everything that traces or compiles a model with TE dots (init, train and
+    eval steps): TE's custom partitioning reads it then.
+    """
+    sharding = require_te()["sharding"]
+    with sharding.global_shard_guard(sharding.MeshResource(dp_resource=dp_axis, fsdp_resource=fsdp_axis)):
+        yield

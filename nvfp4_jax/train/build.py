@@ -6,7 +6,9 @@ more than its shard of the model or optimizer state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from typing import Iterable
 
 import flax.linen as nn
@@ -16,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
-from nvfp4_jax.config import ModelConfig
+from nvfp4_jax.config import ConfigError, ModelConfig
 from nvfp4_jax.model import Llama, layer_blocks, select_attention
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_train_step
@@ -25,15 +27,38 @@ from nvfp4_jax.train.step import make_eval_step, make_train_step
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 
 
-def build_model(model_cfg: ModelConfig, *, quantized: bool = True) -> Llama:
+def quantization_backend(model_cfg: ModelConfig) -> quant.BackendChoice:
+    """`quantization_backend` resolved for the MLP recipe on this process's devices (once, at
+    start-up: it may compile a tiny probe). A backend that cannot run here is a ConfigError."""
+    try:
+        return quant.choose_backend(model_cfg.quantization_backend, model_cfg.quantization)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_backend_resume(record: dict, backend: quant.BackendChoice, model_cfg: ModelConfig) -> None:
+    """ConfigError when a checkpoint `record` was written by a backend whose state tree differs."""
+    try:
+        quant.check_backend_resume(record.get("quantization_backend"), backend.name, model_cfg.quantization)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def build_model(
+    model_cfg: ModelConfig, *, quantized: bool = True, backend: quant.BackendChoice | None = None
+) -> Llama:
     """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
 
-    The attention kernel is selected here, before anything is traced (`describe_attention`
-    says which and why).
+    `backend` (default: `quantization_backend(model_cfg)`) runs the MLP GEMMs. The attention
+    kernel is selected here too, before anything is traced (`describe_attention` says which
+    and why).
     """
     mlp_dot = attention_dot = None
     if quantized:
-        mlp_dot = quant.dot_general_factory(model_cfg.quantization)
+        backend = backend or quantization_backend(model_cfg)
+        mlp_dot = quant.dot_general_factory(
+            model_cfg.quantization, nvfp4_backend=quant.make_backend(backend.name)
+        )
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
     kernel = select_attention(model_cfg.attention).kernel
@@ -83,7 +108,8 @@ def layout_mismatch(model_cfg: ModelConfig, saved_param_names: Iterable[str]) ->
 def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int, key):
     params_key, quant_key, run_key = jax.random.split(key, 3)
     tokens = jnp.zeros((1, seq_len), jnp.int32)
-    variables = model.init({"params": params_key, "quant": quant_key}, tokens)
+    # Every stream a quantized dot may draw from at init (TE's NVFP4 asks for "sr_rng" there).
+    variables = model.init({"params": params_key, **quant.quant_rngs(quant_key)}, tokens)
     params = variables["params"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -94,9 +120,42 @@ def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_l
     )
 
 
+def _runs_on_te(model: Llama) -> bool:
+    factory = model.mlp_dot_general_cls
+    return isinstance(getattr(factory, "keywords", {}).get("nvfp4_backend"), quant.TEBackend)
+
+
+def backend_scope(model: Llama):
+    """What tracing and compiling `model` needs around it: TE's MeshResource when its MLP runs
+    on Transformer Engine (TE's partitioning reads it), nothing otherwise."""
+    if not _runs_on_te(model):
+        return contextlib.nullcontext()
+    data, fsdp = sharding.MESH_AXES
+    return quant.te_backend.mesh_resource_scope(dp_axis=data, fsdp_axis=fsdp)
+
+
+def _in_scope(model: Llama, step):
+    """`step` (a `sharded_jit` callable) and its `.lower`, called under `backend_scope(model)`."""
+    if not _runs_on_te(model):
+        return step
+
+    @functools.wraps(step)
+    def call(*args):
+        with backend_scope(model):
+            return step(*args)
+
+    def lower(*args):
+        with backend_scope(model):
+            return step.lower(*args)
+
+    call.lower = lower
+    return call
+
+
 def state_shardings(model, optimizer, seq_len: int, mesh: Mesh):
     """(abstract unboxed state with shardings, sharding pytree), without allocating anything."""
-    boxed = jax.eval_shape(lambda k: _init_boxed(model, optimizer, seq_len, k), jax.random.PRNGKey(0))
+    with backend_scope(model):
+        boxed = jax.eval_shape(lambda k: _init_boxed(model, optimizer, seq_len, k), jax.random.PRNGKey(0))
     specs = nn.get_partition_spec(boxed)
     shardings = sharding.logical_to_sharding(specs, mesh)
     abstract = jax.tree.map(
@@ -111,24 +170,25 @@ def init_state(model, optimizer, seq_len: int, mesh: Mesh, seed: int):
     init = jax.jit(
         lambda k: nn.meta.unbox(_init_boxed(model, optimizer, seq_len, k)), out_shardings=shardings
     )
-    return init(jax.random.PRNGKey(seed)), shardings
+    with backend_scope(model):
+        return init(jax.random.PRNGKey(seed)), shardings
 
 
 def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: bool = True):
     """The train step, jitted with explicit shardings and donated state, traced on `mesh`."""
-    return sharding.sharded_jit(
+    return _in_scope(model, sharding.sharded_jit(
         make_train_step(model, optimizer, uses_fp8_meta=uses_fp8_meta),
         mesh,
         in_shardings=(state_sh, sharding.batch_sharding(mesh)),
         out_shardings=(state_sh, sharding.replicated(mesh)),
         donate_argnums=0,
-    )
+    ))
 
 
 def jit_eval_step(model, mesh: Mesh, state_sh):
-    return sharding.sharded_jit(
+    return _in_scope(model, sharding.sharded_jit(
         make_eval_step(model),
         mesh,
         in_shardings=(state_sh, sharding.batch_sharding(mesh)),
         out_shardings=sharding.replicated(mesh),
-    )
+    ))

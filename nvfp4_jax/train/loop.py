@@ -39,7 +39,8 @@ from nvfp4_jax.config import RESUME_MUTABLE_KEYS, Config, ConfigError, resume_di
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
 from nvfp4_jax.train.build import (
-    build_model, describe_attention, init_state, jit_eval_step, jit_train_step, state_shardings,
+    build_model, check_backend_resume, describe_attention, init_state, jit_eval_step, jit_train_step,
+    quantization_backend, state_shardings,
 )
 from nvfp4_jax.train.optimizer import make_optimizer
 
@@ -150,6 +151,7 @@ class _Segment:
         if not isinstance(saved, dict):
             raise ResumeError(f"Checkpoint step {step} in {self.run_dir} records no config; it was not "
                               "written by nvfp4_jax.train. Start a new run: run_name=<a new name>.")
+        check_backend_resume(record, self.backend, self.cfg.model)  # a state tree it cannot read
         diffs = resume_differences(saved, self.cfg)
         saved_batch = record.get("global_batch_size")
         if saved_batch is None:  # an older checkpoint: the per-device batch must stay as it was
@@ -268,7 +270,7 @@ class _Segment:
 
     def _save(self, step: int) -> None:
         record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
-                  "global_batch_size": self.global_batch}
+                  "global_batch_size": self.global_batch, "quantization_backend": self.backend.name}
         checkpoint.save(self.manager, self.state, record)
         self.last_good = (step, True)
 
@@ -288,7 +290,9 @@ class _Segment:
     def run(self) -> dict[str, Any]:
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
         optimizer = make_optimizer(t)
-        model = build_model(m, quantized=True)
+        self.backend = quantization_backend(m)  # chosen once, before anything is traced
+        self.console.info(self.backend.line)
+        model = build_model(m, quantized=True, backend=self.backend)
         self.state, state_sh = self._restore_or_init(model, optimizer)
         self.start = int(jax.device_get(self.state.step))
         self.leaf_paths = integrity.leaf_paths(self.state)

@@ -30,7 +30,6 @@ def test_flag_numerics(flag, fmt, two_d, rht, sr):
     r = get_recipe(flag)
     assert (r.format, r.two_d_weights, r.rht_wgrad, r.sr_gradients) == (fmt, two_d, rht, sr)
     assert r.needs_rng == sr
-    assert r.backend == "auto"
 
 
 def test_block_sizes_and_fp8_defaults():
@@ -49,10 +48,11 @@ def test_recipe_passes_through_and_is_frozen():
     assert hash(r) == hash(get_recipe("te_nvfp4"))
 
 
-def test_recipe_name_ignores_backend():
-    r = dataclasses.replace(get_recipe("te_nvfp4_no_rht"), backend="emulated")
-    assert recipe_name(r) == "te_nvfp4_no_rht"
+def test_recipe_name():
+    assert recipe_name(dataclasses.replace(get_recipe("te_nvfp4"), rht_wgrad=False)) == "te_nvfp4_no_rht"
     assert recipe_name(get_recipe("")) == "bf16"
+    odd = Recipe(format="fp8", margin=2)
+    assert recipe_name(odd) == repr(odd)
 
 
 def test_unknown_flag_lists_valid_ones():
@@ -69,7 +69,6 @@ def test_unknown_flag_lists_valid_ones():
         (dict(format="nvfp4", block_size=32), "requires block_size=16"),
         (dict(format="nvfp4"), "requires block_size=16"),
         (dict(format="fp8", rht_wgrad=True), "NVFP4 options"),
-        (dict(backend="cuda"), "Recipe.backend='cuda'"),
         (dict(format="fp8", fp8_scaling="lazy"), "Recipe.fp8_scaling='lazy'"),
         (dict(format="fp8", amax_history_len=0), "amax_history_len=0"),
     ],

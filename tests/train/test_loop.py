@@ -358,6 +358,9 @@ def test_example_script_with_arguments_from_a_fresh_clone(tmp_path, quantization
                r"total_weights: 128, loss: [\d.]+, lm_loss: [\d.]+, perplexity: [\d.]+")
     assert [re.fullmatch(pattern, l).group(1) for l in lines] == ["1", "2"], lines
     assert "emulated NVFP4" in out.stdout and "validation loss" in out.stdout
+    # Why TE was not chosen is printed, not hidden (here: TE is not installed).
+    assert "Transformer Engine not used: Transformer Engine's JAX package" in out.stdout
+    assert "quantization backend: emulated (auto: jax.nn.scaled_matmul does not lower on cpu" in out.stdout
     saved = json.load(open(out_dir / "example" / "config.json"))
     assert saved["train"]["steps"] == 2
     assert saved["model"]["quantization"] == (quantization_env or "te_nvfp4")

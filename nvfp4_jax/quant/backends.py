@@ -1,0 +1,140 @@
+"""Which code runs a recipe's quantized GEMMs: the `quantization_backend` choice.
+
+| backend    | NVFP4 recipes                                     | FP8 / MXFP4 recipes            |
+|------------|---------------------------------------------------|--------------------------------|
+| `emulated` | `nvfp4_gemm_operand` + bf16 dot, fp32 accumulation | emulated                       |
+| `xla`      | `xla_operand` + `jax.nn.scaled_matmul`            | not covered: an error          |
+| `te`       | Transformer Engine (`make_dot_general_cls`)       | FP8 through TE; MXFP4 an error |
+| `auto`     | `xla` where `scaled_matmul` compiles to cuDNN's FP4 GEMM (Blackwell), else `emulated` | `emulated` |
+
+`auto` never picks `te`: TE's state tree differs for delayed-scaling FP8 and its FSDP runs are not
+bit-identical to one-device runs, so TE is used only when asked for by name. `auto` does not pick
+`xla` where XLA only rewrites `scaled_matmul` into dequantize-then-dot (Hopper and older): that
+has no FP4 tensor cores and nothing to gain over the emulated GEMM.
+
+The choice is made once, at start-up, from the config (`choose_backend`), and printed
+(`BackendChoice.line`). `make_backend` turns it into what `QuantDotGeneral(nvfp4_backend=...)`
+takes. The GEMM and the operand quantizer are separate choices: `make_backend(name, operand=...)`
+pairs a backend's GEMM with any quantizer that returns that GEMM's operand form
+(`(bf16 values, decode scale)` for emulated, `BlockScaledOperand` for xla).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import jax
+
+from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
+from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm
+from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
+
+BACKENDS = ("auto", "emulated", "xla", "te")
+_AUTO_AND_TE = "auto never picks te (quantization_backend=te asks for Transformer Engine)"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    """The backend a run uses (`emulated`, `xla` or `te`) and why, in words."""
+
+    name: str
+    reason: str
+
+    @property
+    def line(self) -> str:
+        """The start-up line."""
+        return f"quantization backend: {self.name} ({self.reason})"
+
+
+def choose_backend(
+    requested: str,
+    recipe: Union[Recipe, str],
+    *,
+    probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
+    check_te: Optional[Callable[[Recipe], str]] = None,
+) -> BackendChoice:
+    """Resolve `quantization_backend=requested` for `recipe` on this process's devices.
+
+    `probe` (default `xla_backend.probe_scaled_matmul`) compiles a tiny `scaled_matmul`;
+    `check_te` (default `te_backend.check_te`) returns TE's version or raises. Both are
+    parameters for tests. An explicit backend that cannot run here raises (ValueError, or
+    TEUnavailableError for te) with the reason; `auto` always resolves.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"quantization_backend={requested!r}; choose one of {list(BACKENDS)}")
+    recipe = get_recipe(recipe)
+    name = recipe_name(recipe)
+    probe = probe or xla_backend.probe_scaled_matmul
+    if recipe.is_bf16:
+        return BackendChoice("emulated", f"quantization={name} quantizes nothing: every GEMM is lax.dot_general")
+    if requested == "emulated":
+        return BackendChoice("emulated", "asked for: pure-JAX numerics, bf16 GEMMs with fp32 accumulation")
+    if requested == "te":
+        version = (check_te or te_backend.check_te)(recipe)
+        return BackendChoice("te", f"asked for: Transformer Engine {version} runs {name} here")
+    if requested == "xla":
+        if recipe.format != "nvfp4":
+            raise ValueError(
+                f"quantization_backend=xla runs NVFP4 recipes through jax.nn.scaled_matmul; "
+                f"quantization={name} is {recipe.format}: use quantization_backend=auto or emulated"
+            )
+        result = probe()
+        if not result.lowers:
+            raise ValueError(
+                f"quantization_backend=xla: jax.nn.scaled_matmul {result.detail}; use "
+                "quantization_backend=auto or emulated"
+            )
+        return BackendChoice("xla", f"asked for: jax.nn.scaled_matmul {result.detail}")
+    if recipe.format != "nvfp4":
+        return BackendChoice("emulated", f"auto: {name} is {recipe.format}, the xla backend covers NVFP4 only; {_AUTO_AND_TE}")
+    result = probe()
+    return BackendChoice("xla" if result.fused else "emulated",
+                         f"auto: jax.nn.scaled_matmul {result.detail}; {_AUTO_AND_TE}")
+
+
+def make_backend(
+    name: str,
+    *,
+    operand: Optional[Callable] = None,
+    scaled_matmul: Callable = jax.nn.scaled_matmul,
+) -> Union[NVFP4Backend, te_backend.TEBackend]:
+    """What `QuantDotGeneral(nvfp4_backend=...)` takes for backend `name`.
+
+    `operand` replaces the backend's default quantizer (e.g. a Pallas kernel); it must return
+    the backend's operand form. `scaled_matmul` is the xla backend's GEMM (tests pass
+    `xla_backend.scaled_matmul_reference`).
+    """
+    if name == "emulated":
+        return EMULATED if operand is None else NVFP4Backend("emulated", operand, emulated_gemm)
+    if name == "xla":
+        gemm = xla_backend.ScaledMatmulGemm(scaled_matmul)
+        return NVFP4Backend("xla", operand or xla_backend.xla_operand, gemm)
+    if name == "te":
+        if operand is not None:
+            raise ValueError("quantization_backend=te: Transformer Engine quantizes its own operands")
+        return te_backend.TE
+    raise ValueError(f"no backend {name!r}; make_backend takes one of {list(BACKENDS[1:])}")
+
+
+def _state_collection(recipe: Recipe, backend: str) -> Optional[str]:
+    """The collection holding the recipe's train-state variables under `backend` (None: none)."""
+    if not recipe.fp8_delayed:
+        return None
+    return te_backend.TE_STATE_COLLECTION if backend == "te" else fp8_delayed.COLLECTION
+
+
+def check_backend_resume(saved: Optional[str], now: str, recipe: Union[Recipe, str]) -> None:
+    """Raise ValueError when a checkpoint written under backend `saved` cannot be resumed under
+    `now`: the backends keep the recipe's state in different collections. Between emulated and
+    xla, and for every recipe but te_fp8_delayedscaling, the trees agree and resuming works."""
+    recipe = get_recipe(recipe)
+    if saved is None or saved == now:
+        return
+    if _state_collection(recipe, saved) != _state_collection(recipe, now):
+        raise ValueError(
+            f"The checkpoint was written with quantization_backend={saved} and this run uses {now}: "
+            f"for quantization={recipe_name(recipe)} they keep the FP8 amax histories in different "
+            f"collections ({_state_collection(recipe, saved)!r} vs {_state_collection(recipe, now)!r}), "
+            f"so the state cannot be restored. Resume with quantization_backend={saved}."
+        )

@@ -1,0 +1,64 @@
+"""The Blackwell projection against NVIDIA's published MaxText NVFP4-over-FP8 speedups, and its
+internal consistency. Nothing in nvfp4_jax/projection.py is fitted to these rows."""
+
+import subprocess
+import sys
+
+import pytest
+
+from nvfp4_jax.config import load_config
+from nvfp4_jax.projection import DEVICES, RECIPES, project
+
+# NVIDIA's MaxText NVFP4 results: Llama 3 8B / Llama 3.1 405B, FSDP, seq 8192, batch 4 per GPU,
+# NVFP4 MLP GEMMs, attention in higher precision. (model, device, published speedup, GPUs)
+PUBLISHED = [
+    ("llama3-8b", "gb200", 1.31, 8),
+    ("llama3-8b", "gb300", 1.39, 8),
+    ("llama3.1-405b", "gb200", 1.44, 64),
+    ("llama3.1-405b", "gb300", 1.73, 64),
+]
+
+
+def _estimates(model, device, gpus, batch=4, seq=8192):
+    cfg = load_config([f"model_name={model}"]).model
+    return project(cfg, DEVICES[device], per_device_batch=batch, seq_len=seq, num_devices=gpus)
+
+
+@pytest.mark.parametrize("model, device, published, gpus", PUBLISHED)
+def test_reproduces_the_published_speedups_within_15_percent(model, device, published, gpus):
+    e = _estimates(model, device, gpus)
+    speedup = e["fp8"].seconds / e["nvfp4"].seconds
+    assert abs(speedup / published - 1) < 0.15, (model, device, speedup, published)
+
+
+def test_terms_are_consistent():
+    e = _estimates("llama3-8b", "gb200", 8)
+    assert set(e) == set(RECIPES)
+    for est in e.values():
+        assert est.seconds == pytest.approx(sum(est.terms.values()))
+    # Only the MLP GEMMs and the quantizers differ between recipes; FP4 halves FP8's GEMM time.
+    assert e["fp8"].terms["MLP GEMMs"] == pytest.approx(2 * e["nvfp4"].terms["MLP GEMMs"])
+    assert e["bf16"].terms["MLP GEMMs"] == pytest.approx(2 * e["fp8"].terms["MLP GEMMs"])
+    assert e["bf16"].terms["quantization"] == 0 < e["nvfp4_no_rht"].terms["quantization"] < e["nvfp4"].terms["quantization"]
+    for name in ("attention projections", "attention core", "LM head", "elementwise"):
+        assert len({est.terms[name] for est in e.values()}) == 1
+    # GB300 differs from GB200 only in its FP4 rate.
+    e300 = _estimates("llama3-8b", "gb300", 8)
+    assert e300["fp8"].seconds == pytest.approx(e["fp8"].seconds) and e300["nvfp4"].seconds < e["nvfp4"].seconds
+
+
+def test_hopper_runs_nvfp4_at_the_bf16_rate():
+    e = _estimates("llama3-8b", "h200", 8)
+    assert e["nvfp4"].terms["MLP GEMMs"] == pytest.approx(e["bf16"].terms["MLP GEMMs"])
+    assert e["nvfp4"].seconds > e["bf16"].seconds
+
+
+def test_plan_prints_the_projection():
+    out = subprocess.run(
+        [sys.executable, "-m", "nvfp4_jax.plan", "model_name=llama3-8b", "max_target_length=8192",
+         "per_device_batch_size=4", "--num-devices", "8", "--project", "gb300"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "projected step time on GB300" in out.stdout
+    assert "projected NVFP4 (te_nvfp4) over FP8 speedup: 1.31x" in out.stdout
