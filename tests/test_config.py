@@ -1,3 +1,4 @@
+import dataclasses
 import glob
 import json
 import os
@@ -11,8 +12,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_defaults_come_from_the_dataclasses():
+    # The default model_name is "tiny": its preset applies over the dataclass defaults.
     cfg = load_config([])
-    assert cfg.model == config_lib.ModelConfig()
+    want = dataclasses.replace(config_lib.ModelConfig(), **config_lib.MODEL_PRESETS["tiny"])
+    assert cfg.model == want
     assert cfg.train == config_lib.TrainConfig()
 
 
