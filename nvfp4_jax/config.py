@@ -34,6 +34,8 @@ QUANTIZATION_FLAGS = (
     "mxfp4",
 )
 ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
+# Who computes NVFP4 GEMM operands (nvfp4_jax.kernels.select): auto, the Pallas kernels, jnp.
+QUANT_KERNELS = ("auto", "pallas", "jnp")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
 
@@ -63,6 +65,9 @@ class ModelConfig:
     # MLP GEMM recipe (nvfp4_jax.quant flag) and the attention projections' policy.
     quantization: str = ""
     attention_quantization: str = ""
+    # NVFP4 operand quantizer: auto (Pallas kernels on one NVIDIA GPU after a bitwise
+    # self-check, else jnp), pallas, or jnp. Same bits either way.
+    quant_kernels: str = "auto"
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
@@ -300,6 +305,8 @@ def validate(cfg: Config) -> None:
            f"choose one of {list(QUANTIZATION_FLAGS)}")
     _check(m.attention_quantization in ATTENTION_QUANTIZATION_FLAGS, "attention_quantization",
            m.attention_quantization, f"choose one of {list(ATTENTION_QUANTIZATION_FLAGS)}")
+    _check(m.quant_kernels in QUANT_KERNELS, "quant_kernels", m.quant_kernels,
+           f"choose one of {list(QUANT_KERNELS)}")
     _check(m.dtype in ("bfloat16", "float32"), "dtype", m.dtype, "bfloat16 or float32")
     _check(m.weight_dtype in ("float32",), "weight_dtype", m.weight_dtype,
            "float32 (master weights stay fp32)")

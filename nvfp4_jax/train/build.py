@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ModelConfig
+from nvfp4_jax.kernels import select as kernel_select
 from nvfp4_jax.model import Llama
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_train_step
@@ -22,11 +23,31 @@ from nvfp4_jax.train.step import make_eval_step, make_train_step
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 
 
+def _uses_nvfp4(model_cfg: ModelConfig) -> bool:
+    return quant.get_recipe(model_cfg.quantization).format == "nvfp4"
+
+
+def nvfp4_backend(model_cfg: ModelConfig) -> quant.NVFP4Backend:
+    """The NVFP4 GEMMs' backend: emulated GEMMs, operands by the `quant_kernels` choice."""
+    if not _uses_nvfp4(model_cfg):
+        return quant.EMULATED
+    kernels = kernel_select.operand_kernels(model_cfg.quant_kernels)
+    return kernel_select.with_operand_kernels(quant.EMULATED, kernels)
+
+
+def quant_kernels_line(model_cfg: ModelConfig) -> str | None:
+    """The start-up line saying who quantizes NVFP4 operands and why (None without NVFP4)."""
+    if not _uses_nvfp4(model_cfg):
+        return None
+    kernels = kernel_select.operand_kernels(model_cfg.quant_kernels)
+    return f"NVFP4 operands: {kernels.name} ({kernels.reason})"
+
+
 def build_model(model_cfg: ModelConfig, *, quantized: bool = True) -> Llama:
     """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots."""
     mlp_dot = attention_dot = None
     if quantized:
-        mlp_dot = quant.dot_general_factory(model_cfg.quantization)
+        mlp_dot = quant.dot_general_factory(model_cfg.quantization, nvfp4_backend=nvfp4_backend(model_cfg))
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
     return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot)

@@ -23,7 +23,7 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, metrics as metrics_lib
-from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
+from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, quant_kernels_line, state_shardings
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
@@ -71,6 +71,8 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
 
     optimizer = make_optimizer(t)
     model = build_model(m, quantized=True)
+    if is_lead and quant_kernels_line(m):
+        print(quant_kernels_line(m), flush=True)
     state, state_sh = init_state(model, optimizer, m.max_target_length, mesh, t.seed)
     batch_sh = sharding.batch_sharding(mesh)
     train_step = jit_train_step(model, optimizer, mesh, state_sh)
