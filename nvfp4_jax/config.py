@@ -41,6 +41,8 @@ ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_
 REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_except_mlp")
 # Which code runs the MLP GEMMs (nvfp4_jax.quant.backends.BACKENDS; docs/backends.md).
 QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
+# Who computes NVFP4 GEMM operands (nvfp4_jax.kernels.select): auto, the Pallas kernels, jnp.
+QUANT_KERNELS = ("auto", "pallas", "jnp")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
 
@@ -72,6 +74,9 @@ class ModelConfig:
     attention_quantization: str = ""
     # auto: xla where jax.nn.scaled_matmul reaches FP4 tensor cores, else emulated; never te.
     quantization_backend: str = "auto"
+    # NVFP4 operand quantizer: auto (Pallas kernels on one NVIDIA GPU after a bitwise
+    # self-check, else jnp), pallas, or jnp. Same bits either way.
+    quant_kernels: str = "auto"
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
@@ -379,6 +384,8 @@ def validate(cfg: Config) -> None:
            m.attention_quantization, f"choose one of {list(ATTENTION_QUANTIZATION_FLAGS)}")
     _check(m.quantization_backend in QUANTIZATION_BACKENDS, "quantization_backend",
            m.quantization_backend, f"choose one of {list(QUANTIZATION_BACKENDS)}")
+    _check(m.quant_kernels in QUANT_KERNELS, "quant_kernels", m.quant_kernels,
+           f"choose one of {list(QUANT_KERNELS)}")
     _check(m.dtype in ("bfloat16", "float32"), "dtype", m.dtype, "bfloat16 or float32")
     _check(m.weight_dtype in ("float32",), "weight_dtype", m.weight_dtype,
            "float32 (master weights stay fp32)")

@@ -48,6 +48,8 @@ from nvfp4_jax.quant import (  # noqa: E402
     quantize_nvfp4,
     unpack_codes,
 )
+from nvfp4_jax import kernels  # noqa: E402
+from nvfp4_jax.kernels.select import SELF_CHECK_COPIES  # noqa: E402
 from nvfp4_jax.quant import fp8_delayed  # noqa: E402
 from nvfp4_jax.quant.formats import stochastic_rounding_bits  # noqa: E402
 
@@ -301,6 +303,51 @@ def check_xla_gemm(recipe, quick):
     return ops_diff == 0 and worst < 2.0**-8, detail
 
 
+def check_kernels(name, x, key):
+    """The Pallas kernels (Triton on a GPU; interpreted on the CPU) against the jnp reference on
+    the same device, bit for bit: every GEMM-operand copy in one fused call, and the packed form
+    of the dY pair. Scales and amax must match everywhere; codes and values too, except that on
+    data with float32 subnormals the CPU (which flushes them) is exempt for RHT copies
+    (docs/numerics.md). Non-finite data is not in `datasets`; the interpreted tests cover it."""
+    xin = jnp.asarray(x, jnp.bfloat16 if _is_bf16(name) else jnp.float32)
+    copies = [c for c, _ in SELF_CHECK_COPIES]
+    keys = [jax.random.fold_in(key, i) for i in range(len(copies))]
+    packed = [kernels.Copy("rows", stochastic=True, packed=True),
+              kernels.Copy("cols", rht=True, stochastic=True, packed=True)]
+
+    def fn(a, interpret):
+        got = kernels.fused_quantize(a, copies, [k if c.stochastic else None for c, k in zip(copies, keys)],
+                                     interpret=interpret)
+        want = [nvfp4_gemm_operand(a, **kw, key=k) for (_, kw), k in zip(SELF_CHECK_COPIES, keys)]
+        pk = kernels.fused_quantize(a, packed, keys[:2], interpret=interpret)
+        pw = [quantize_nvfp4(a, axis=1, stochastic=True, key=keys[0]),
+              quantize_nvfp4(a, axis=0, rht=True, stochastic=True, key=keys[1])]
+        return got, want, [(q.codes, q.scales, q.amax) for q in pk], [(q.codes, q.scales, q.amax) for q in pw]
+
+    x32 = np.asarray(xin.astype(jnp.float32))
+    tiny_sums = bool(((np.abs(x32) < np.finfo(np.float32).tiny * 2.0**12) & (x32 != 0)).any())
+    detail, ok = {}, True
+    for side, device in (("accel", ACCEL), ("cpu", CPU)):
+        interpret = device.platform != "gpu"
+        got, want, pk, pw = on_device(lambda a: fn(a, interpret), device, xin)
+        exempt = tiny_sums and device.platform == "cpu"
+        for (copy, kw), g, w in zip(SELF_CHECK_COPIES, got, want):
+            d = bit_diff(g, w)
+            detail[f"{side} {kw}"] = d
+            ok &= d == 0 or (exempt and copy.rht)
+        d = bit_diff(pk, pw)
+        detail[f"{side} packed dY pair"] = d
+        ok &= d == 0 or exempt
+    return ok, detail
+
+
+def check_kernel_selection():
+    """What `quant_kernels=auto` picks on this machine, and the start-up self-check's verdict."""
+    choice = kernels.operand_kernels("auto")
+    ok, message = kernels.self_check(interpret=ACCEL.platform != "gpu")
+    return ok, dict(auto=choice.name, reason=choice.reason, self_check=message)
+
+
 # --- driver -------------------------------------------------------------------------------------
 
 
@@ -308,6 +355,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="smaller tensors (for a CPU dry run)")
+    ap.add_argument("--skip-kernels", action="store_true", help="leave out the Pallas kernel checks")
     args = ap.parse_args(argv)
     out_dir = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu")
 
@@ -342,6 +390,12 @@ def main(argv=None) -> int:
         for fmt in ("e4m3", "e5m2"):
             record(f"fp8 {fmt} current scaling on {dname}", check_fp8, dname, x, fmt)
     record("fp8 delayed-scaling state update", check_fp8_delayed_update)
+    if not args.skip_kernels:
+        record("Pallas kernels: quant_kernels=auto and the self-check", check_kernel_selection)
+        for dname, x in datasets(args.quick).items():
+            if args.quick and dname not in ("bf16 ties 1x16", "f32 subnormal elements"):
+                continue  # the interpreted kernels compile slowly on a CPU
+            record(f"Pallas kernels vs jnp on {dname}", check_kernels, dname, x, key)
     for recipe in GEMM_RECIPES:
         record(f"emulated GEMM {recipe}", check_gemm, recipe, args.quick)
     for recipe in ("te_nvfp4", "nvfp4_1d_weights"):

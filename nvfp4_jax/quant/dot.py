@@ -17,6 +17,9 @@ practice 15), bundled as an `NVFP4Backend`:
 - `gemm(a, b, dimension_numbers, out_dtype)`: run one GEMM on two such operands. The emulated
   one multiplies the bf16 values with fp32 accumulation, then applies `alpha`, the product of
   the two decode scales, in fp32, and rounds to the output dtype.
+- optionally `operand_pair(x, first, second)`: two operands of one tensor (dY's DGRAD and WGRAD
+  copies), `first` and `second` being `operand`'s keyword arguments; a fused quantizer
+  (`nvfp4_jax.kernels`) reads x once for both. Without it, `operand` is called twice.
 
 The FP8 and MXFP4 baselines use the same structure with their own operands.
 
@@ -79,6 +82,13 @@ class NVFP4Backend:
     name: str = "emulated"
     operand: Callable = nvfp4_gemm_operand
     gemm: Callable = emulated_gemm
+    operand_pair: Optional[Callable] = None
+
+    def operands(self, x, first: dict, second: dict):
+        """`(operand(x, **first), operand(x, **second))`, fused when the backend can."""
+        if self.operand_pair is None:
+            return self.operand(x, **first), self.operand(x, **second)
+        return self.operand_pair(x, first, second)
 
 
 EMULATED = NVFP4Backend()
@@ -265,15 +275,21 @@ def _nvfp4_bwd(static: _Static, res, g):
     k_dgrad, k_wgrad = sr_keys(key) if r.sr_gradients else (None, None)
     sr = r.sr_gradients
 
-    # DGRAD  dX = dY . W^T: dY 1x16 along N (SR); W^T the forward's quantized W.
-    gq = quant(g, axis=1, stochastic=sr, key=k_dgrad)
+    # dY's two copies (one read of dY where the backend fuses them): DGRAD's 1x16 along N
+    # (SR); WGRAD's 1x16 along tokens (RHT, SR).
+    gq, gt = static.backend.operands(
+        g,
+        dict(axis=1, stochastic=sr, key=k_dgrad),
+        dict(axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad),
+    )
+
+    # DGRAD  dX = dY . W^T: W^T the forward's quantized W.
     wq = w_for_dgrad if r.two_d_weights else quant(w_for_dgrad, axis=1)
     dx = gemm(gq, wq, _DGRAD_DIMS, static.x_dtype)
 
     # WGRAD  dW = X^T . dY: both 1x16 along tokens, RHT on both (it cancels in the product),
     # SR on dY only.
     xt = quant(x, axis=0, rht=r.rht_wgrad)
-    gt = quant(g, axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad)
     dw = gemm(xt, gt, _WGRAD_DIMS, static.w_dtype)
     return dx, dw, None, None
 

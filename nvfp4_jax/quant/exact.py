@@ -160,8 +160,9 @@ def round_to_grid(x, mantissa_bits: int, min_exp: int) -> jax.Array:
     normal = (mag + half + lsb) & ~np.uint32((1 << drop) - 1)
     spacing = float(2.0 ** (min_exp - mantissa_bits))
     t = from_bits(mag) * np.float32(1.0 / spacing) + np.float32(2.0**23)
-    count = (bits(t) - bits(np.float32(2.0**23))).astype(jnp.float32)  # exact: below 2**mantissa_bits
+    # Constants' bits from numpy: Pallas's Triton lowering cannot bitcast a literal.
+    count = (bits(t) - np.float32(2.0**23).view(np.uint32)).astype(jnp.float32)  # exact: < 2**mantissa_bits
     sub = bits(count * np.float32(spacing))
-    out = jnp.where(mag >= bits(np.float32(2.0**min_exp)), normal, sub)
+    out = jnp.where(mag >= np.float32(2.0**min_exp).view(np.uint32), normal, sub)
     out = jnp.where(mag >= _INF, mag, out)
     return from_bits(out | (xb & _SIGN))

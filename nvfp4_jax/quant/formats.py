@@ -123,18 +123,90 @@ def e2m1_rn_codes(y: jax.Array) -> jax.Array:
     return idx | ((bits >> 28) & np.uint32(8))
 
 
+# --- stochastic-rounding noise ---------------------------------------------------------------
+#
+# One definition of the noise, used by the jnp quantizer and inside the Pallas kernels: a
+# counter-based function of (key, flat element index), written in plain uint32 operations that
+# any backend (XLA, Triton) runs alike. `jax.random.bits` cannot serve inside a kernel: its
+# mapping from counters to outputs depends on the `jax_threefry_partitionable` flag.
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_THREEFRY_PARITY = np.uint32(0x1BD11BDA)
+SR_GROUP = 8  # elements per threefry call: 2 words of 4 bytes
+_MAX_SR_GROUPS = 2**32
+
+
+def threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 block cipher with 20 rounds (Salmon et al., SC'11), on uint32 arrays.
+
+    The generator behind `jax.random`: `(y0, y1)` equals `jax.extend.random.threefry_2x32((k0,
+    k1), concatenate([x0, x1]))` split in halves. Only adds, shifts, ors and xors, so that it
+    runs inside a Pallas kernel.
+    """
+    def rotl(v, r):
+        return (v << np.uint32(r)) | (v >> np.uint32(32 - r))
+
+    ks = (k0, k1, k0 ^ k1 ^ _THREEFRY_PARITY)
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = rotl(x1, r) ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
+
+
+def sr_key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two uint32 words that key the noise: a threefry key's own data (typed or raw).
+
+    A key of another PRNG implementation is first hashed to two words with `jax.random.bits`.
+    """
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(key)
+        if data.shape != (2,):
+            data = jax.random.bits(key, (2,), jnp.uint32)
+    else:
+        data = jnp.asarray(key)
+    if data.shape != (2,) or data.dtype != jnp.uint32:
+        raise ValueError(
+            f"stochastic rounding needs one PRNG key (a jax.random.key, or uint32[2]); got an "
+            f"array of shape {data.shape} and dtype {data.dtype}"
+        )
+    return data[0], data[1]
+
+
+def sr_noise_groups(k0, k1, groups: jax.Array) -> jax.Array:
+    """Noise bytes (uint32 0..255) of `groups` (uint32 group indices), shape `groups.shape + (8,)`.
+
+    Group g covers flat elements 8g..8g+7: element 8g + e gets byte e % 4 (the low byte first)
+    of word e // 4 of `threefry2x32(k0, k1, g, 0)`. A broadcast and a select rather than a
+    stack or a bitcast: XLA:CPU runs it fastest, and a Triton kernel can lower it.
+    """
+    with jax.named_scope("threefry_sr_noise"):  # benchmarks/bench_step.py's category
+        y0, y1 = threefry2x32(k0, k1, groups, jnp.zeros_like(groups))
+        e = jnp.arange(SR_GROUP, dtype=jnp.uint32)
+        word = jnp.where(e < 4, y0[..., None], y1[..., None])
+        return (word >> ((e & np.uint32(3)) << np.uint32(3))) & np.uint32(0xFF)
+
+
 def stochastic_rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """uint8 noise of `shape`: 8 random bits per element, as Blackwell's SR uses.
 
-    Drawn as a quarter as many uint32 words split into bytes: the same distribution as drawing
-    uint8 directly, about 5x faster on CPU. `shape` must hold a multiple of 4 elements (every
-    block-quantized tensor does).
+    Element i of the row-major flattened shape gets byte i % 8 of threefry2x32 of the counter
+    i // 8 (`sr_noise_groups`): a function of the key and the element's index only, so a
+    kernel that quantizes any tile of the tensor draws the same byte for it.
     """
     n = math.prod(shape)
-    if n % 4:
-        raise ValueError(f"shape={shape}: stochastic rounding needs a multiple of 4 elements, got {n}")
-    words = jax.random.bits(key, (n // 4,), jnp.uint32)
-    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
+    groups = -(-n // SR_GROUP)
+    if groups > _MAX_SR_GROUPS:
+        raise ValueError(
+            f"shape={shape}: stochastic rounding numbers elements with 32-bit counters of "
+            f"{SR_GROUP}; at most {SR_GROUP * _MAX_SR_GROUPS} elements, got {n}"
+        )
+    k0, k1 = sr_key_words(key)
+    noise = sr_noise_groups(k0, k1, jnp.arange(groups, dtype=jnp.uint32)).reshape(-1)
+    return noise[:n].astype(jnp.uint8).reshape(shape)
 
 
 def round_e2m1_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:

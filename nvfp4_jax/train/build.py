@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ConfigError, ModelConfig
+from nvfp4_jax.kernels import select as kernel_select
 from nvfp4_jax.model import Llama, layer_blocks, select_attention
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_train_step
@@ -44,20 +45,44 @@ def check_backend_resume(record: dict, backend: quant.BackendChoice, model_cfg: 
         raise ConfigError(str(err)) from err
 
 
+def _uses_nvfp4(model_cfg: ModelConfig) -> bool:
+    return quant.get_recipe(model_cfg.quantization).format == "nvfp4"
+
+
+def nvfp4_backend(model_cfg: ModelConfig, backend: quant.BackendChoice) -> quant.NVFP4Backend:
+    """The NVFP4 GEMMs' backend: the chosen GEMM executor (`quantization_backend`) and, for the
+    emulated GEMM, operands from the `quant_kernels` choice (the xla backend's operands carry
+    codes and scales, which the kernels do not produce yet)."""
+    gemm = quant.make_backend(backend.name)
+    if not _uses_nvfp4(model_cfg) or gemm.name != "emulated":
+        return gemm
+    return kernel_select.with_operand_kernels(gemm, kernel_select.operand_kernels(model_cfg.quant_kernels))
+
+
+def quant_kernels_line(model_cfg: ModelConfig, backend: quant.BackendChoice) -> str | None:
+    """The start-up line saying who quantizes NVFP4 operands and why (None without NVFP4)."""
+    if not _uses_nvfp4(model_cfg):
+        return None
+    if backend.name != "emulated":
+        return f"NVFP4 operands: jnp (the {backend.name} backend quantizes its own operands)"
+    kernels = kernel_select.operand_kernels(model_cfg.quant_kernels)
+    return f"NVFP4 operands: {kernels.name} ({kernels.reason})"
+
+
 def build_model(
     model_cfg: ModelConfig, *, quantized: bool = True, backend: quant.BackendChoice | None = None
 ) -> Llama:
     """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
 
-    `backend` (default: `quantization_backend(model_cfg)`) runs the MLP GEMMs. The attention
-    kernel is selected here too, before anything is traced (`describe_attention` says which
-    and why).
+    `backend` (default: `quantization_backend(model_cfg)`) runs the MLP GEMMs, with operands
+    by `quant_kernels` where it can use them. The attention kernel is selected here too,
+    before anything is traced (`describe_attention` says which and why).
     """
     mlp_dot = attention_dot = None
     if quantized:
         backend = backend or quantization_backend(model_cfg)
         mlp_dot = quant.dot_general_factory(
-            model_cfg.quantization, nvfp4_backend=quant.make_backend(backend.name)
+            model_cfg.quantization, nvfp4_backend=nvfp4_backend(model_cfg, backend)
         )
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)

@@ -40,7 +40,7 @@ from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
 from nvfp4_jax.train.build import (
     build_model, check_backend_resume, describe_attention, init_state, jit_eval_step, jit_train_step,
-    quantization_backend, state_shardings,
+    quant_kernels_line, quantization_backend, state_shardings,
 )
 from nvfp4_jax.train.optimizer import make_optimizer
 
@@ -292,6 +292,8 @@ class _Segment:
         optimizer = make_optimizer(t)
         self.backend = quantization_backend(m)  # chosen once, before anything is traced
         self.console.info(self.backend.line)
+        if quant_kernels_line(m, self.backend):
+            self.console.info(quant_kernels_line(m, self.backend))
         model = build_model(m, quantized=True, backend=self.backend)
         self.state, state_sh = self._restore_or_init(model, optimizer)
         self.start = int(jax.device_get(self.state.step))
