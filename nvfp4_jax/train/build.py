@@ -15,20 +15,25 @@ from jax.sharding import Mesh
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ModelConfig
 from nvfp4_jax.model import Llama
+from nvfp4_jax.quant import health
 from nvfp4_jax.train.state import TrainState
-from nvfp4_jax.train.step import make_eval_step, make_train_step
+from nvfp4_jax.train.step import make_eval_step, make_quant_stats_step, make_train_step
 
 # The attention projections' recipe when `attention_quantization=fp8` (stateless FP8).
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 
 
-def build_model(model_cfg: ModelConfig, *, quantized: bool = True) -> Llama:
-    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots."""
+def build_model(model_cfg: ModelConfig, *, quantized: bool = True, quant_stats: bool = False) -> Llama:
+    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
+
+    `quant_stats=True` gives the model of the quantization-statistics step (its dots measure
+    their operands, see `quant.health`); never the one that trains.
+    """
     mlp_dot = attention_dot = None
     if quantized:
-        mlp_dot = quant.dot_general_factory(model_cfg.quantization)
+        mlp_dot = quant.dot_general_factory(model_cfg.quantization, quant_stats=quant_stats)
         if model_cfg.attention_quantization == "fp8":
-            attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
+            attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE, quant_stats=quant_stats)
     return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot)
 
 
@@ -80,6 +85,22 @@ def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: boo
 def jit_eval_step(model, mesh: Mesh, state_sh):
     return sharding.sharded_jit(
         make_eval_step(model),
+        mesh,
+        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
+        out_shardings=sharding.replicated(mesh),
+    )
+
+
+def jit_quant_stats_step(model_cfg: ModelConfig, seq_len: int, mesh: Mesh, state_sh):
+    """The jitted `make_quant_stats_step` of `model_cfg`, or None when no GEMM is quantized."""
+    model = build_model(model_cfg, quant_stats=True)
+    rngs = {"params": jax.random.PRNGKey(0), "quant": jax.random.PRNGKey(0)}
+    variables = jax.eval_shape(lambda: model.init(rngs, jnp.zeros((1, seq_len), jnp.int32)))
+    template = variables.get(health.COLLECTION)
+    if not template:
+        return None
+    return sharding.sharded_jit(
+        make_quant_stats_step(model, template),
         mesh,
         in_shardings=(state_sh, sharding.batch_sharding(mesh)),
         out_shardings=sharding.replicated(mesh),

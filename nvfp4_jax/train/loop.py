@@ -23,7 +23,10 @@ from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import checkpoint, distributed, metrics as metrics_lib
-from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step, state_shardings
+from nvfp4_jax.quant import health
+from nvfp4_jax.train.build import (
+    build_model, init_state, jit_eval_step, jit_quant_stats_step, jit_train_step, state_shardings,
+)
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
@@ -82,6 +85,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         else None
     )
     eval_step = jit_eval_step(model, mesh, state_sh)
+    stats_step = jit_quant_stats_step(m, m.max_target_length, mesh, state_sh) if t.quant_stats else None
 
     manager = None
     last_saved: int | None = None
@@ -152,6 +156,11 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         eval_losses.append((step, value))
         if writer:
             writer.write({"step": step, "eval_loss": value, "eval_perplexity": math.exp(min(value, 700))})
+        # Measured while the run still quantizes (the BF16 tail has nothing to measure).
+        if stats_step is not None and (bf16_step is None or step < t.quantization_end_step):
+            stats = health.flatten(jax.device_get(stats_step(state, eval_batches[0])))
+            if writer:
+                writer.write({"step": step, "quant_stats": stats})
         if is_lead:
             msg = f"eval at step {step}: loss: {value:.3f}, perplexity: {math.exp(min(value, 700)):.3f}"
             (bar.write(msg) if bar is not None else print(msg, flush=True))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nvfp4_jax.quant import quant_rngs
+from nvfp4_jax.quant import health, quant_rngs
 from nvfp4_jax.train.state import TrainState
 
 
@@ -74,3 +74,25 @@ def make_eval_step(model: nn.Module) -> Callable:
         return token_cross_entropy(logits, batch["targets"])[0]
 
     return eval_step
+
+
+def make_quant_stats_step(model: nn.Module, template) -> Callable:
+    """`stats_step(state, batch) -> stats`: what quantization does to every quantized operand in
+    one forward and backward pass on `batch`, changing nothing.
+
+    `model` is built with `quant_stats=True` (its dots keep zero statistics in the collection
+    `health.COLLECTION`) and `template` is that collection's abstract value. The statistics are
+    the gradient with respect to those zeros (the dots return them as cotangents), so this is
+    the one place they are computed: the train step's model never holds the collection.
+    """
+
+    def stats_step(state: TrainState, batch):
+        def loss_fn(stats):
+            variables = {**_variables(state.params, state.fp8_meta), health.COLLECTION: stats}
+            logits = model.apply(variables, batch["inputs"], rngs=quant_rngs(state.sr_key()))
+            return token_cross_entropy(logits, batch["targets"])[0]
+
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), template)
+        return jax.grad(loss_fn)(zeros)
+
+    return stats_step
