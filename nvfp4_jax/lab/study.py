@@ -103,7 +103,7 @@ def run_study(
                 study["plots_note"] = note
         elif final:
             study["plots"], study["plots_note"] = [], "plots were not asked for"
-        report.write_results(os.path.join(out_dir, "results.json"), study, results["summary"], results["runs"])
+        report.write_results(os.path.join(out_dir, "results.json"), study, results["runs"], results["summary"])
         report.write_summary(os.path.join(out_dir, "summary.md"), study, results["summary"])
 
     from nvfp4_jax.train.loop import NonFiniteLossError
