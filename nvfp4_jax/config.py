@@ -127,6 +127,9 @@ class TrainConfig:
     log_period: int = 10
     eval_interval: int = 100
     eval_steps: int = 4
+    # At each evaluation, measure what quantization does to every quantized GEMM operand
+    # (nvfp4_jax.quant.health) on the first held-out batch; written to metrics.jsonl.
+    quant_stats: bool = False
     run_name: str = ""
     base_output_directory: str = "runs"
     enable_checkpointing: bool = True
@@ -336,14 +339,19 @@ def make_config(*layers: Mapping[str, Any]) -> Config:
     return cfg
 
 
-def load_config(argv: Sequence[str] = ()) -> Config:
-    """`[config.yml] [key=value ...]` -> Config (the command-line form)."""
+def config_layers(argv: Sequence[str] = ()) -> list[Mapping[str, Any]]:
+    """`[config.yml] [key=value ...]` -> the layers `make_config` applies (YAML, then overrides)."""
     argv = list(argv)
     layers: list[Mapping[str, Any]] = []
     if argv and "=" not in argv[0]:
         layers.append(load_yaml(argv.pop(0)))
     layers.append(parse_overrides(argv))
-    return make_config(*layers)
+    return layers
+
+
+def load_config(argv: Sequence[str] = ()) -> Config:
+    """`[config.yml] [key=value ...]` -> Config (the command-line form)."""
+    return make_config(*config_layers(argv))
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -26,6 +26,10 @@ The FP8 and MXFP4 baselines use the same structure with their own operands.
 Stochastic-rounding keys: the caller passes one key per step and layer (`QuantDotGeneral`
 draws it from the "quant" rng stream); the DGRAD and WGRAD copies of dY get
 `fold_in(key, 0)` and `fold_in(key, 1)`.
+
+Quantization statistics (`health`): handed a zero statistics pytree, the dot also measures every
+operand it quantizes, with the same arguments, and returns the measurements as that pytree's
+cotangent. Without one (the default) the computation is exactly the plain GEMMs.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nvfp4_jax.quant import formats as F
-from nvfp4_jax.quant import fp8_delayed
+from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.fp8 import quantize_fp8
 from nvfp4_jax.quant.mxfp4 import quantize_mxfp4
 from nvfp4_jax.quant.nvfp4 import dequantize, nvfp4_gemm_operand
@@ -111,6 +115,7 @@ def make_dot_general(
     *,
     fp8_meta: Optional[fp8_delayed.FP8Meta] = None,
     backend: NVFP4Backend = EMULATED,
+    quant_stats: Optional[dict] = None,
 ) -> DotGeneral:
     """A function with `lax.dot_general`'s signature that runs `recipe`'s quantized GEMMs.
 
@@ -124,6 +129,10 @@ def make_dot_general(
         pure-jnp reference quantizer and the emulated GEMM; `backends.make_backend("xla")`
         runs them through `jax.nn.scaled_matmul`). Also the hook for experiments, e.g. an
         identity quantizer.
+      quant_stats: `health.init_stats(recipe)` (zeros) to measure this GEMM's operands: the
+        gradient with respect to it is `{operand: {stat: value}}` of the forward and backward
+        pass (see `health`). The NVFP4 statistics come from the reference quantizer, whatever
+        the backend. None (default) adds nothing to the computation.
 
     Only the dense case is supported: `lhs[..., K]` contracting its last dim with `rhs[K, N]`,
     no batch dims. The Transformer Engine backend is reached through `QuantDotGeneral` only.
@@ -151,6 +160,8 @@ def make_dot_general(
         fp8_delayed.check_fp8_meta(fp8_meta, recipe.amax_history_len)
     elif fp8_meta is not None:
         raise ValueError(f"{name} keeps no FP8 state; fp8_meta must be None")
+    if quant_stats is not None:
+        health.check_stats(quant_stats, recipe, name)
     if not recipe.needs_rng:
         key = None
 
@@ -166,7 +177,7 @@ def make_dot_general(
             jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
         )
         static = _Static(recipe, backend, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
-        y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta)
+        y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta, quant_stats)
         return y.reshape(*lhs.shape[:-1], n)
 
     return dot_general
@@ -221,29 +232,49 @@ def _check_blocks(recipe: Recipe, name: str, *, tokens: int, k: int, n: int) -> 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _quantized_matmul(static: _Static, x, w, key, meta):
-    return _fwd(static, x, w, key, meta)[0]
+def _quantized_matmul(static: _Static, x, w, key, meta, stats):
+    return _fwd(static, x, w, key, meta, stats)[0]
 
 
-def _fwd(static: _Static, x, w, key, meta):
+def _fwd(static: _Static, x, w, key, meta, stats):
+    # `seen` collects the operand statistics when asked for (None: nothing is measured).
+    seen = None if stats is None else {}
     fmt = static.recipe.format
     if fmt == "nvfp4":
-        return _nvfp4_fwd(static, x, w, key, meta)
-    if fmt == "mxfp4":
-        return _mxfp4_fwd(static, x, w, key, meta)
-    return _fp8_fwd(static, x, w, key, meta)
+        y, res = _nvfp4_fwd(static, x, w, key, seen)
+    elif fmt == "mxfp4":
+        y, res = _mxfp4_fwd(static, x, w, seen)
+    else:
+        y, res = _fp8_fwd(static, x, w, meta, seen)
+    return y, (res, seen)
 
 
 def _bwd(static: _Static, res, g):
+    res, seen = res
     fmt = static.recipe.format
     if fmt == "nvfp4":
-        return _nvfp4_bwd(static, res, g)
-    if fmt == "mxfp4":
-        return _mxfp4_bwd(static, res, g)
-    return _fp8_bwd(static, res, g)
+        grads = _nvfp4_bwd(static, res, g, seen)
+    elif fmt == "mxfp4":
+        grads = _mxfp4_bwd(static, res, g, seen)
+    else:
+        grads = _fp8_bwd(static, res, g, seen)
+    # Overwrite-with-gradient: the statistics pytree's cotangent is the statistics.
+    return (*grads, seen)
 
 
 _quantized_matmul.defvjp(_fwd, _bwd)
+
+
+def _observed(quantize: Callable, measure: Callable, seen: Optional[dict]) -> Callable:
+    """`quantize`, called as `(name, x, **args)`; also records `measure(x, **args)` under `name`
+    in `seen` when statistics are collected, so they describe exactly what was quantized."""
+
+    def operand(name: str, x, **args):
+        if seen is not None:
+            seen[name] = measure(x, **args)
+        return quantize(x, **args)
+
+    return operand
 
 
 def _gemm(a, b, alpha, dims, out_dtype):
@@ -257,11 +288,12 @@ def _gemm(a, b, alpha, dims, out_dtype):
 # --- NVFP4 ------------------------------------------------------------------------------------
 
 
-def _nvfp4_fwd(static: _Static, x, w, key, meta):
-    r, quant, gemm = static.recipe, static.backend.operand, static.backend.gemm
+def _nvfp4_fwd(static: _Static, x, w, key, seen):
+    r, gemm = static.recipe, static.backend.gemm
+    quant = _observed(static.backend.operand, health.nvfp4_stats, seen)
     # FPROP  Y = X . W: X 1x16 along K, W in 16x16 tiles (or 1x16 along K), round to nearest.
-    xq = quant(x, axis=1)
-    wq = quant(w, axis=0, two_d=r.two_d_weights)
+    xq = quant("x", x, axis=1)
+    wq = quant("w", w, axis=0, two_d=r.two_d_weights)
     y = gemm(xq, wq, _FPROP_DIMS, static.out_dtype)
     # 2D tiles make the quantized W its own transpose: DGRAD reuses it. 1x16 weights must be
     # requantized along N from the high-precision W.
@@ -269,27 +301,29 @@ def _nvfp4_fwd(static: _Static, x, w, key, meta):
     return y, (x, w_for_dgrad, key)
 
 
-def _nvfp4_bwd(static: _Static, res, g):
-    r, quant, gemm = static.recipe, static.backend.operand, static.backend.gemm
+def _nvfp4_bwd(static: _Static, res, g, seen):
+    r, gemm = static.recipe, static.backend.gemm
+    quant = _observed(static.backend.operand, health.nvfp4_stats, seen)
     x, w_for_dgrad, key = res
     k_dgrad, k_wgrad = sr_keys(key) if r.sr_gradients else (None, None)
     sr = r.sr_gradients
 
     # dY's two copies (one read of dY where the backend fuses them): DGRAD's 1x16 along N
     # (SR); WGRAD's 1x16 along tokens (RHT, SR).
-    gq, gt = static.backend.operands(
-        g,
-        dict(axis=1, stochastic=sr, key=k_dgrad),
-        dict(axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad),
-    )
+    dy_args = dict(axis=1, stochastic=sr, key=k_dgrad)
+    dy_wgrad_args = dict(axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad)
+    if seen is not None:
+        seen["dy"] = health.nvfp4_stats(g, **dy_args)
+        seen["dy_wgrad"] = health.nvfp4_stats(g, **dy_wgrad_args)
+    gq, gt = static.backend.operands(g, dy_args, dy_wgrad_args)
 
     # DGRAD  dX = dY . W^T: W^T the forward's quantized W.
-    wq = w_for_dgrad if r.two_d_weights else quant(w_for_dgrad, axis=1)
+    wq = w_for_dgrad if r.two_d_weights else quant("w_dgrad", w_for_dgrad, axis=1)
     dx = gemm(gq, wq, _DGRAD_DIMS, static.x_dtype)
 
     # WGRAD  dW = X^T . dY: both 1x16 along tokens, RHT on both (it cancels in the product),
     # SR on dY only.
-    xt = quant(x, axis=0, rht=r.rht_wgrad)
+    xt = quant("x_wgrad", x, axis=0, rht=r.rht_wgrad)
     dw = gemm(xt, gt, _WGRAD_DIMS, static.w_dtype)
     return dx, dw, None, None
 
@@ -302,18 +336,20 @@ def _mxfp4_operand(x, axis):
     return dequantize(quantize_mxfp4(x, axis=axis), jnp.bfloat16)
 
 
-def _mxfp4_fwd(static: _Static, x, w, key, meta):
+def _mxfp4_fwd(static: _Static, x, w, seen):
+    quant = _observed(_mxfp4_operand, health.mxfp4_stats, seen)
     # FPROP  Y = X . W: 32-blocks along K on both operands; no per-tensor scale.
-    y = _gemm(_mxfp4_operand(x, 1), _mxfp4_operand(w, 0), 1.0, _FPROP_DIMS, static.out_dtype)
+    y = _gemm(quant("x", x, axis=1), quant("w", w, axis=0), 1.0, _FPROP_DIMS, static.out_dtype)
     return y, (x, w)
 
 
-def _mxfp4_bwd(static: _Static, res, g):
+def _mxfp4_bwd(static: _Static, res, g, seen):
+    quant = _observed(_mxfp4_operand, health.mxfp4_stats, seen)
     x, w = res
     # DGRAD  dX = dY . W^T: blocks along N, W requantized from high precision.
-    dx = _gemm(_mxfp4_operand(g, 1), _mxfp4_operand(w, 1), 1.0, _DGRAD_DIMS, static.x_dtype)
+    dx = _gemm(quant("dy", g, axis=1), quant("w_dgrad", w, axis=1), 1.0, _DGRAD_DIMS, static.x_dtype)
     # WGRAD  dW = X^T . dY: blocks along tokens.
-    dw = _gemm(_mxfp4_operand(x, 0), _mxfp4_operand(g, 0), 1.0, _WGRAD_DIMS, static.w_dtype)
+    dw = _gemm(quant("x_wgrad", x, axis=0), quant("dy_wgrad", g, axis=0), 1.0, _WGRAD_DIMS, static.w_dtype)
     return dx, dw, None, None
 
 
@@ -331,16 +367,20 @@ def _fp8_scale(static: _Static, meta, role, amax):
     return fp8_delayed.scale_from_amax(amax, fp8_delayed.ROLE_FORMATS[role])[0]
 
 
-def _fp8_operand(static: _Static, meta, role, x):
+def _fp8_operand(static: _Static, meta, role, x, seen):
     """(FP8 values, fp32 decode scale, amax) of `x` in its role's format."""
     amax = _amax(x)
-    q = quantize_fp8(x, _fp8_scale(static, meta, role, amax), fp8_delayed.ROLE_FORMATS[role])
+    fmt = fp8_delayed.ROLE_FORMATS[role]
+    scale = _fp8_scale(static, meta, role, amax)
+    q = quantize_fp8(x, scale, fmt)
+    if seen is not None:
+        seen[role] = health.fp8_stats(x, q.data, scale, q.scale_inv, fmt)
     return q.data, q.scale_inv, amax
 
 
-def _fp8_fwd(static: _Static, x, w, key, meta):
-    xq, dec_x, amax_x = _fp8_operand(static, meta, "x", x)
-    wq, dec_w, amax_w = _fp8_operand(static, meta, "w", w)
+def _fp8_fwd(static: _Static, x, w, meta, seen):
+    xq, dec_x, amax_x = _fp8_operand(static, meta, "x", x, seen)
+    wq, dec_w, amax_w = _fp8_operand(static, meta, "w", w, seen)
     # FPROP  Y = X . W: both E4M3.
     y = _gemm(xq, wq, dec_x * dec_w, _FPROP_DIMS, static.out_dtype)
     # Per-tensor scales make every quantized tensor its own transpose: the backward reuses the
@@ -349,10 +389,10 @@ def _fp8_fwd(static: _Static, x, w, key, meta):
     return y, (xq, dec_x, wq, dec_w, state)
 
 
-def _fp8_bwd(static: _Static, res, g):
+def _fp8_bwd(static: _Static, res, g, seen):
     xq, dec_x, wq, dec_w, state = res
     meta = state[0] if state is not None else None
-    gq, dec_g, amax_g = _fp8_operand(static, meta, "dy", g)
+    gq, dec_g, amax_g = _fp8_operand(static, meta, "dy", g, seen)
     # DGRAD  dX = dY . W^T: E5M2 x E4M3.
     dx = _gemm(gq, wq, dec_g * dec_w, _DGRAD_DIMS, static.x_dtype)
     # WGRAD  dW = X^T . dY: E4M3 x E5M2.

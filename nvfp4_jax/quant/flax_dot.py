@@ -8,7 +8,10 @@ That submodule
   keys differ per layer (Flax folds in the module path) and per step (the key the train step
   passes in `rngs`);
 - for delayed-scaling FP8 keeps its amax histories and scales in the variable collection
-  "fp8_meta", updated by the overwrite-with-gradient rule (see `fp8_delayed`).
+  "fp8_meta", updated by the overwrite-with-gradient rule (see `fp8_delayed`);
+- with `quant_stats=True`, keeps a zero statistics pytree per operand in the collection
+  "quant_stats" whose gradient is what quantizing each operand did (see `health`). Only a
+  dedicated statistics step builds such modules; the train step never does.
 
 What the train step does (see `nvfp4_jax.train.step`):
 
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nvfp4_jax.quant import fp8_delayed, te_backend
+from nvfp4_jax.quant import fp8_delayed, health, te_backend
 from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, make_dot_general
 from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
 
@@ -49,10 +52,14 @@ class QuantDotGeneral(nn.Module):
       nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`dot.NVFP4Backend`,
         ignored by the other formats), or `te_backend.TE`: Transformer Engine runs the whole
         quantized GEMM of the recipe (NVFP4 or FP8). `backends.make_backend(name)` gives either.
+      quant_stats: measure every quantized operand (variables in `health.COLLECTION`, whose
+        gradient is the statistics). Not with Transformer Engine, whose kernels keep their
+        operands to themselves.
     """
 
     recipe: Union[Recipe, str] = "te_nvfp4"
     nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
+    quant_stats: bool = False
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -63,10 +70,19 @@ class QuantDotGeneral(nn.Module):
                 preferred_element_type=preferred_element_type,
             )
         if isinstance(self.nvfp4_backend, te_backend.TEBackend):
+            if self.quant_stats:
+                raise ValueError(
+                    f"QuantDotGeneral({recipe_name(recipe)}): quant_stats=true needs "
+                    "quantization_backend=emulated or xla; Transformer Engine's kernels do not "
+                    "expose their operands"
+                )
             return self._te(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type)
         key = self._sr_key(recipe) if recipe.needs_rng else None
         meta = self._fp8_meta(recipe) if recipe.fp8_delayed else None
-        dot_general = make_dot_general(recipe, key, fp8_meta=meta, backend=self.nvfp4_backend)
+        stats = self._stats(recipe) if self.quant_stats else None
+        dot_general = make_dot_general(
+            recipe, key, fp8_meta=meta, backend=self.nvfp4_backend, quant_stats=stats
+        )
         return dot_general(
             lhs, rhs, dimension_numbers, precision=precision,
             preferred_element_type=preferred_element_type,
@@ -101,18 +117,28 @@ class QuantDotGeneral(nn.Module):
             meta[s] = self.variable(fp8_delayed.COLLECTION, s, jnp.ones, (1,), jnp.float32).value
         return meta
 
+    def _stats(self, recipe: Recipe) -> dict:
+        zeros = health.init_stats(recipe)
+        return {op: self.variable(health.COLLECTION, op, lambda z=z: z).value for op, z in zeros.items()}
+
 
 def dot_general_factory(
-    recipe: Union[Recipe, str], nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
+    recipe: Union[Recipe, str],
+    nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED,
+    *,
+    quant_stats: bool = False,
 ) -> Optional[Callable[[], QuantDotGeneral]]:
-    """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend)`, or None for bf16.
+    """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend, quant_stats)`, or None
+    for bf16.
 
     None means "use `jax.lax.dot_general`", the model's convention for BF16.
     """
     recipe = get_recipe(recipe)
     if recipe.is_bf16:
         return None
-    return functools.partial(QuantDotGeneral, recipe=recipe, nvfp4_backend=nvfp4_backend)
+    return functools.partial(
+        QuantDotGeneral, recipe=recipe, nvfp4_backend=nvfp4_backend, quant_stats=quant_stats
+    )
 
 
 def quant_rngs(key: jax.Array) -> dict:

@@ -21,8 +21,9 @@ from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ConfigError, ModelConfig
 from nvfp4_jax.kernels import select as kernel_select
 from nvfp4_jax.model import Llama, layer_blocks, select_attention
+from nvfp4_jax.quant import health
 from nvfp4_jax.train.state import TrainState
-from nvfp4_jax.train.step import make_eval_step, make_train_step
+from nvfp4_jax.train.step import make_eval_step, make_quant_stats_step, make_train_step
 
 # The attention projections' recipe when `attention_quantization=fp8` (stateless FP8).
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
@@ -70,22 +71,29 @@ def quant_kernels_line(model_cfg: ModelConfig, backend: quant.BackendChoice) -> 
 
 
 def build_model(
-    model_cfg: ModelConfig, *, quantized: bool = True, backend: quant.BackendChoice | None = None
+    model_cfg: ModelConfig,
+    *,
+    quantized: bool = True,
+    backend: quant.BackendChoice | None = None,
+    quant_stats: bool = False,
 ) -> Llama:
     """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
 
     `backend` (default: `quantization_backend(model_cfg)`) runs the MLP GEMMs, with operands
     by `quant_kernels` where it can use them. The attention kernel is selected here too,
-    before anything is traced (`describe_attention` says which and why).
+    before anything is traced (`describe_attention` says which and why). `quant_stats=True`
+    gives the model of the quantization-statistics step (its dots measure their operands, see
+    `quant.health`); never the one that trains.
     """
     mlp_dot = attention_dot = None
     if quantized:
         backend = backend or quantization_backend(model_cfg)
         mlp_dot = quant.dot_general_factory(
-            model_cfg.quantization, nvfp4_backend=nvfp4_backend(model_cfg, backend)
+            model_cfg.quantization, nvfp4_backend=nvfp4_backend(model_cfg, backend),
+            quant_stats=quant_stats,
         )
         if model_cfg.attention_quantization == "fp8":
-            attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE)
+            attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE, quant_stats=quant_stats)
     kernel = select_attention(model_cfg.attention).kernel
     platform = jax.devices()[0].platform
     if kernel == "cudnn_flash" and platform != "gpu":
@@ -213,6 +221,26 @@ def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: boo
 def jit_eval_step(model, mesh: Mesh, state_sh):
     return _in_scope(model, sharding.sharded_jit(
         make_eval_step(model),
+        mesh,
+        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
+        out_shardings=sharding.replicated(mesh),
+    ))
+
+
+def jit_quant_stats_step(
+    model_cfg: ModelConfig, mesh: Mesh, state_sh, *, backend: quant.BackendChoice | None = None
+):
+    """The jitted `make_quant_stats_step` of `model_cfg` (its own model, whose dots measure their
+    operands; `backend` as in `build_model`), or None when no GEMM is quantized."""
+    model = build_model(model_cfg, backend=backend, quant_stats=True)
+    tokens = jnp.zeros((1, model_cfg.max_target_length), jnp.int32)
+    rngs = {"params": jax.random.PRNGKey(0), **quant.quant_rngs(jax.random.PRNGKey(0))}
+    variables = jax.eval_shape(lambda: model.init(rngs, tokens))
+    template = nn.meta.unbox(variables.get(health.COLLECTION))
+    if not template:
+        return None
+    return _in_scope(model, sharding.sharded_jit(
+        make_quant_stats_step(model, template),
         mesh,
         in_shardings=(state_sh, sharding.batch_sharding(mesh)),
         out_shardings=sharding.replicated(mesh),

@@ -37,10 +37,11 @@ from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
 from nvfp4_jax.config import RESUME_MUTABLE_KEYS, Config, ConfigError, resume_differences, save_json, to_dict
 from nvfp4_jax.flops import training_flops_per_step
+from nvfp4_jax.quant import health
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
 from nvfp4_jax.train.build import (
-    build_model, check_backend_resume, describe_attention, init_state, jit_eval_step, jit_train_step,
-    quant_kernels_line, quantization_backend, state_shardings,
+    build_model, check_backend_resume, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
+    jit_train_step, quant_kernels_line, quantization_backend, state_shardings,
 )
 from nvfp4_jax.train.optimizer import make_optimizer
 
@@ -266,6 +267,12 @@ class _Segment:
         if self.writer:
             self.writer.write({"step": step, "eval_loss": value, "eval_perplexity": perplexity})
         self.console.info(f"eval at step {step}: loss: {value:.3f}, perplexity: {perplexity:.3f}")
+        # Measured while the run still quantizes (the BF16 tail has nothing to measure).
+        t = self.cfg.train
+        if self.stats_step is not None and (t.quantization_end_step < 0 or step < t.quantization_end_step):
+            stats = health.flatten(jax.device_get(self.stats_step(self.state, self.eval_batches[0])))
+            if self.writer:
+                self.writer.write({"step": step, "quant_stats": stats})
         return value
 
     def _save(self, step: int) -> None:
@@ -310,6 +317,8 @@ class _Segment:
             else None
         )
         self.eval_step = jit_eval_step(model, self.mesh, state_sh)
+        self.stats_step = (jit_quant_stats_step(m, self.mesh, state_sh, backend=self.backend)
+                           if t.quant_stats else None)
         self.throughput = metrics_lib.Throughput(
             flops_per_step=training_flops_per_step(m, self.global_batch, m.max_target_length),
             tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,

@@ -7,9 +7,10 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 
-from nvfp4_jax.quant import quant_rngs
+from nvfp4_jax.quant import health, quant_rngs
 from nvfp4_jax.train.integrity import finite_flags
 from nvfp4_jax.train.state import TrainState
 
@@ -73,3 +74,24 @@ def make_eval_step(model: nn.Module) -> Callable:
         return _loss(model, state.params, state.fp8_meta, batch, state.rng)[0]
 
     return eval_step
+
+
+def make_quant_stats_step(model: nn.Module, template) -> Callable:
+    """`stats_step(state, batch) -> stats`: what quantization does to every quantized operand in
+    one forward and backward pass on `batch`, changing nothing.
+
+    `model` is built with `quant_stats=True` (its dots keep zero statistics in the collection
+    `health.COLLECTION`) and `template` is that collection's abstract value. The statistics are
+    the gradient with respect to those zeros (the dots return them as cotangents), so this is
+    the one place they are computed: the train step's model never holds the collection.
+    """
+
+    def stats_step(state: TrainState, batch):
+        def loss_fn(stats):
+            fp8_meta = {**state.fp8_meta, health.COLLECTION: stats}
+            return _loss(model, state.params, fp8_meta, batch, state.sr_key())[0]
+
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), template)
+        return jax.grad(loss_fn)(zeros)
+
+    return stats_step

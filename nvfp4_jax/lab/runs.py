@@ -1,0 +1,145 @@
+"""One (arm, seed) run of a study: train it, or read it back from its run directory.
+
+A run directory holds what `nvfp4_jax.train.loop.run` writes: `config.json` (at the start),
+`metrics.jsonl` (one JSON object per line, appended as the run goes), `summary.json` (at the
+end) and `checkpoints/`. A run whose directory has the same config and a summary is finished and
+only read back; one with the same config and no summary was interrupted and is run again, which
+resumes it from its latest checkpoint. A directory holding a different config is an error: the
+lab never trains over someone else's run.
+
+Reading is tolerant: unknown keys and records are ignored, a line cut short by a kill is skipped,
+and a step logged twice (a resumed run repeats the steps after its last checkpoint) keeps its
+last record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from nvfp4_jax.config import Config, ConfigError, from_dict, to_dict
+
+# Where a run is, not what it is: ignored when comparing configs (the folder may move).
+LOCATION_KEYS = (("train", "run_name"), ("train", "base_output_directory"))
+
+
+class LabError(RuntimeError):
+    """A study that cannot go on as asked (e.g. a run directory holding another config)."""
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError:
+        return None  # written half-way when the run was killed
+
+
+def _comparable(cfg_dict: dict) -> dict:
+    out = {section: dict(keys) for section, keys in cfg_dict.items()}
+    for section, key in LOCATION_KEYS:
+        out.get(section, {}).pop(key, None)
+    return out
+
+
+def config_differences(saved: dict, cfg: Config) -> list[str]:
+    """`section.key: saved -> wanted` for every key (location aside) where `saved` differs from
+    `cfg`; a saved config the current code cannot read is one difference."""
+    try:
+        old = _comparable(to_dict(from_dict(saved)))
+    except ConfigError as exc:
+        return [f"the saved config cannot be read ({exc})"]
+    new = _comparable(to_dict(cfg))
+    return [
+        f"{section}.{key}: {old[section].get(key)!r} -> {value!r}"
+        for section in new
+        for key, value in new[section].items()
+        if old.get(section, {}).get(key) != value
+    ]
+
+
+def read_metrics(path: str) -> dict[str, dict[int, Any]]:
+    """metrics.jsonl -> {"loss": {step: train loss}, "eval_loss": {step: loss},
+    "quant_stats": {step: stats}}."""
+    out: dict[str, dict[int, Any]] = {"loss": {}, "eval_loss": {}, "quant_stats": {}}
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                continue
+            for key, series in out.items():
+                if key in record:
+                    series[record["step"]] = record[key]
+    return out
+
+
+def is_finished(run_dir: str, cfg: Config) -> bool:
+    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    return (
+        isinstance(summary, dict)
+        and summary.get("steps") == cfg.train.steps
+        and summary.get("final_eval_loss") is not None
+    )
+
+
+def check_reusable(run_dir: str, cfg: Config) -> None:
+    """Raises LabError when `run_dir` holds a run of a config other than `cfg`."""
+    saved = _read_json(os.path.join(run_dir, "config.json"))
+    if saved is None:
+        return
+    diffs = config_differences(saved, cfg)
+    if diffs:
+        raise LabError(
+            f"{run_dir} holds a run of another config ({'; '.join(diffs)}): remove that directory "
+            "or choose another results folder."
+        )
+
+
+def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:
+    """Makes sure the run of `cfg` in `run_dir` is finished: "reused" when it already was,
+    "resumed" when an interrupted run was continued, "trained" when it started from nothing."""
+    check_reusable(run_dir, cfg)
+    if is_finished(run_dir, cfg):
+        return "reused"
+    started = os.path.exists(os.path.join(run_dir, "config.json"))
+    from nvfp4_jax.train.loop import run  # jax is imported only when something trains
+
+    run(cfg, progress=False, devices=devices)
+    return "resumed" if started else "trained"
+
+
+def _windowed(losses: dict[int, float], window: int) -> list[list[float]]:
+    """[[last step of the window, mean loss of the window], ...] over consecutive windows."""
+    steps = sorted(losses)
+    out = []
+    for start in range(0, len(steps), window):
+        chunk = steps[start:start + window]
+        out.append([chunk[-1], sum(losses[s] for s in chunk) / len(chunk)])
+    return out
+
+
+def read_run(run_dir: str, *, curve_window: int = 10) -> dict[str, Any]:
+    """What a study keeps of a finished run: the train-loss curve (means over windows of
+    `curve_window` steps), the eval losses, the final validation loss, tokens/s, and the
+    quantization statistics of the last evaluation that measured them."""
+    summary = _read_json(os.path.join(run_dir, "summary.json")) or {}
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    stats = metrics["quant_stats"]
+    last = max(stats) if stats else None
+    return {
+        "loss_curve": _windowed(metrics["loss"], curve_window),
+        "eval_losses": [[s, metrics["eval_loss"][s]] for s in sorted(metrics["eval_loss"])],
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "tokens_per_second_per_device": summary.get("median_tokens_per_second_per_device"),
+        "median_step_seconds": summary.get("median_step_seconds"),
+        "quant_stats_step": last,
+        "quant_stats": stats[last] if last is not None else None,
+    }

@@ -1,0 +1,107 @@
+"""The lab end to end: the command line on a fresh folder, and a study surviving a kill."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from nvfp4_jax.lab import parse_arms, run_study
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["model_name=tiny", "base_num_decoder_layers=2", "max_target_length=64", "per_device_batch_size=8",
+        "log_period=1", "eval_steps=1", "ici_fsdp_parallelism=1"]
+ONE_DEVICE = jax.devices()[:1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _lab(*args, cwd):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine has
+    return subprocess.run([sys.executable, "-m", "nvfp4_jax.lab", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_two_arm_two_step_lab_from_the_command_line(tmp_path):
+    out = tmp_path / "study"
+    done = _lab(*TINY, "steps=2", "eval_interval=1", "quant_stats=true",
+                "--arms", "bf16", "te_nvfp4", "--seeds", "1", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["study"]["seeds"] == [0] and results["study"]["steps"] == 2
+    assert [a["name"] for a in results["study"]["arms"]] == ["bf16", "te_nvfp4"]
+    by_arm = {r["arm"]: r for r in results["runs"]}
+    assert sorted(by_arm) == ["bf16", "te_nvfp4"]
+    for arm, r in by_arm.items():
+        assert r["seed"] == 0 and r["status"] == "trained"
+        assert math.isfinite(r["final_eval_loss"]) and 3.0 < r["final_eval_loss"] < 6.0
+        assert [p[0] for p in r["loss_curve"]] == [2] and [p[0] for p in r["eval_losses"]] == [1, 2]
+        assert r["eval_losses"][-1][1] == r["final_eval_loss"] and r["tokens_per_second_per_device"] > 0
+        summary = json.loads((out / r["run_directory"] / "summary.json").read_text())
+        assert summary["final_eval_loss"] == r["final_eval_loss"]
+    assert by_arm["bf16"]["quant_stats"] is None
+    health = by_arm["te_nvfp4"]["quant_stats"]
+    assert sorted(health) == [f"layers_{i}/mlp/{p}" for i in (0, 1) for p in ("down", "gate", "up")]
+    assert set(health["layers_1/mlp/up"]) == {"x", "w", "dy", "x_wgrad", "dy_wgrad"}
+
+    rows = {row["arm"]: row for row in results["summary"]}
+    gap = by_arm["te_nvfp4"]["final_eval_loss"] - by_arm["bf16"]["final_eval_loss"]
+    assert rows["te_nvfp4"]["gap_nats"] == pytest.approx(gap, abs=1e-12)
+    assert rows["te_nvfp4"]["welch_p"] is None  # one seed: no test, and the table says so
+    table = (out / "summary.md").read_text()
+    assert "| `bf16` | 1 |" in table and "(reference)" in table
+    assert f"| `te_nvfp4` | 1 | {rows['te_nvfp4']['mean']:.4f} ± n/a | {gap:+.4f} |" in table
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "Plots: skipped" in table
+        return
+    pngs = ["loss_curves.png", "gap_to_bf16.png", "quant_health.png", "quant_health_te_nvfp4.png"]
+    assert sorted(results["study"]["plots"]) == sorted(pngs)
+    for name in pngs:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, name
+
+
+def test_a_bad_arm_stops_the_lab_before_anything_runs(tmp_path):
+    done = _lab("--arms", "bf16", "x:learning_rat=1", "--out", str(tmp_path / "study"), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "learning_rat" in done.stderr and "learning_rate" in done.stderr
+    assert not (tmp_path / "study").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_study_resumes_its_interrupted_run_and_reads_back_the_finished_one(tmp_path):
+    args = TINY + ["steps=4", "checkpoint_period=2", "max_checkpoints_to_keep=2", "eval_interval=2",
+                   "quant_stats=true"]
+    arms = parse_arms(["bf16", "te_nvfp4"])
+    kwargs = dict(seeds=1, out_dir=str(tmp_path), make_plots=False, curve_window=10, devices=ONE_DEVICE)
+    first = run_study(args, arms, **kwargs, log=lambda _: None)
+    assert [r["status"] for r in first["runs"]] == ["trained", "trained"]
+
+    # As if the lab had been killed in te_nvfp4 after its step-2 checkpoint, mid-way through a line.
+    killed = tmp_path / "runs" / "te_nvfp4-seed0"
+    os.remove(killed / "summary.json")
+    shutil.rmtree(killed / "checkpoints" / "4")
+    lines = (killed / "metrics.jsonl").read_text().splitlines()
+    kept = [l for l in lines if json.loads(l)["step"] <= 2]
+    (killed / "metrics.jsonl").write_text("\n".join(kept) + '\n{"step": 3, "los')
+    finished = tmp_path / "runs" / "bf16-seed0" / "metrics.jsonl"
+    before = (finished.stat().st_mtime_ns, finished.read_bytes())
+
+    messages = []
+    second = run_study(args, arms, **kwargs, log=messages.append)
+    assert [r["status"] for r in second["runs"]] == ["reused", "resumed"]
+    assert (finished.stat().st_mtime_ns, finished.read_bytes()) == before  # not rerun
+    assert "bf16 seed 0: reused" in messages[0] and "te_nvfp4 seed 0: resumed" in messages[1]
+    # Resuming reproduces the uninterrupted run: same curve (steps 1-4), evals and final loss.
+    for key in ("loss_curve", "eval_losses", "final_eval_loss", "quant_stats"):
+        assert second["runs"][1][key] == first["runs"][1][key], key
+    losses = lambda study: [(row["arm"], row["final_eval_losses"]) for row in study["summary"]]
+    assert losses(second) == losses(first)
