@@ -155,13 +155,18 @@ def _quantize_codes(x, axis, two_d, rht, stochastic, key):
     amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
 
     mult, mult_tiny, table = _tensor_factors(amax)
-    scales = _block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny)
-    scales = jnp.where(nonfinite, jnp.float8_e4m3fn(jnp.nan), scales)
+    scale_bytes = lax.bitcast_convert_type(
+        _block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny), jnp.uint8
+    )
+    # A non-finite tensor gets the NaN scale (byte 0x7F) in every block.
+    index = jnp.where(nonfinite, np.int32(0x7F), scale_bytes.astype(jnp.int32))
     # A gather by the scale's byte gives each block its (s_b, enc_b); XLA computes it once per
-    # block (a cheap expression would be fused into the element loop and redone 16x).
-    index = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+    # block (a cheap expression would be fused into the element loop and redone 16x). The
+    # stored scales are read back from it too (s_b is an E4M3 value: the cast is exact), so
+    # that the scale computation is not repeated for them either.
     factors = table.at[index].get(mode="promise_in_bounds")
     s_b, enc_b = factors[..., 0], factors[..., 1]
+    scales = s_b.astype(jnp.float8_e4m3fn)
 
     y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
     if stochastic:
