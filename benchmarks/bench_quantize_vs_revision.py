@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE)]
 
 from _report import environment, write_json  # noqa: E402
+from _workers import Worker  # noqa: E402
 
 OUT = HERE / "results" / "quantize_vs_revision.json"
 CASES = ("nvfp4 1x16 RN", "nvfp4 1x16 SR", "nvfp4 2D", "nvfp4 RHT (axis 0)", "operand 1x16 RN",
@@ -70,30 +70,6 @@ def worker(root: str, size: int, dtypes: list[str]) -> None:
         print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
 
 
-class Worker:
-    def __init__(self, name: str, root: str, size: int, dtypes: list[str]):
-        self.name = name
-        args = [sys.executable, __file__, "--worker", root, "--size", str(size), "--dtypes", ",".join(dtypes)]
-        env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._read()  # ready
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} exited (code {self.proc.wait()})")
-        return json.loads(line)
-
-    def time(self, case: str, dtype: str) -> float:
-        self.proc.stdin.write(json.dumps([case, dtype]) + "\n")
-        self.proc.stdin.flush()
-        return self._read()["s"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", help="root of the revision to compare with (a `git archive` of it)")
@@ -110,8 +86,9 @@ def main() -> None:
     if not args.baseline or not (Path(args.baseline) / "nvfp4_jax" / "quant").is_dir():
         p.error(f"--baseline={args.baseline!r} must be the root of a checkout holding nvfp4_jax/quant")
 
-    workers = {"old": Worker("old", str(Path(args.baseline).resolve()), args.size, dtypes),
-               "new": Worker("new", str(ROOT), args.size, dtypes)}
+    worker_args = ["--size", str(args.size), "--dtypes", ",".join(dtypes)]
+    roots = {"old": str(Path(args.baseline).resolve()), "new": str(ROOT)}
+    workers = {rev: Worker(rev, root, __file__, ["--worker", root, *worker_args]) for rev, root in roots.items()}
     times = {(rev, c, d): [] for rev in workers for c in CASES for d in dtypes}
     try:
         for r in range(args.rounds):
@@ -119,7 +96,7 @@ def main() -> None:
             for d in dtypes:
                 for c in CASES:
                     for rev in order:
-                        times[rev, c, d].append(workers[rev].time(c, d))
+                        times[rev, c, d].append(workers[rev].ask(json.dumps([c, d]))["s"])
     finally:
         for w in workers.values():
             w.close()

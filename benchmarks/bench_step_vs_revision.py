@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
 from _report import environment, write_json  # noqa: E402
+from _workers import Worker  # noqa: E402
 
 OUT = HERE / "results" / "step_vs_revision.json"
 SHAPES = {"tiny": (8, 128), "small-25m": (2, 256)}  # (batch, seq) as bench_step.py
@@ -59,29 +59,9 @@ def worker(root: str, cases: list[str], overrides: dict[str, str]) -> None:
                           "first_step_s": built[case].first_step_s}), flush=True)
 
 
-class Worker:
-    def __init__(self, name: str, root: str, cases: list[str], overrides: dict[str, str]):
-        self.name = name
-        args = [sys.executable, __file__, "--worker", root, "--cases", ",".join(cases),
-                "--overrides", json.dumps(overrides)]
-        env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self._read()  # ready
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} exited (code {self.proc.wait()})")
-        return json.loads(line)
-
-    def step(self, case: str) -> dict:
-        self.proc.stdin.write(case + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
+def _worker(name: str, root: str, cases: list[str], overrides: dict[str, str]) -> Worker:
+    return Worker(name, root, __file__, ["--worker", root, "--cases", ",".join(cases),
+                                         "--overrides", json.dumps(overrides)])
 
 
 def main(argv=None) -> dict:
@@ -115,14 +95,14 @@ def main(argv=None) -> dict:
     result_rows = []
     for preset in presets:
         cases = [f"{preset}/{r}" for r in recipes]
-        workers = [Worker(name, root, cases, overrides) for name, root, overrides in revisions]
+        workers = [_worker(name, root, cases, overrides) for name, root, overrides in revisions]
         times = {(w.name, c): [] for w in workers for c in cases}
         info = {}
         slots = [(w, c) for c in cases for w in workers]
         for round_ in range(args.warmup + repeats.get(preset, 10)):
             k = round_ % len(slots)
             for w, case in slots[k:] + slots[:k]:
-                got = w.step(case)
+                got = w.ask(case)
                 info[(w.name, case)] = got
                 if round_ >= args.warmup:
                     times[(w.name, case)].append(got["s"])
