@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from nvfp4_jax.data import DataError
     from nvfp4_jax.lab.runs import LabError
     from nvfp4_jax.lab.study import run_study
+    from nvfp4_jax.train.run_lock import RunLockedError
 
     try:
         run_study(
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             runs_dir=args.runs_dir, reference=args.reference, make_plots=not args.no_plots,
             curve_window=args.curve_window,
         )
-    except (ConfigError, LabError) as exc:
+    except (ConfigError, DataError, LabError, RunLockedError) as exc:
+        # RunLockedError: another lab (or training run) is training one of these runs now.
         print(f"lab error: {exc}", file=sys.stderr)
         return 2
     return 0

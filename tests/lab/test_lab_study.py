@@ -105,3 +105,15 @@ def test_a_killed_study_resumes_its_interrupted_run_and_reads_back_the_finished_
         assert second["runs"][1][key] == first["runs"][1][key], key
     losses = lambda study: [(row["arm"], row["final_eval_losses"]) for row in study["summary"]]
     assert losses(second) == losses(first)
+
+
+def test_a_run_held_by_another_process_stops_the_lab_with_one_line(tmp_path):
+    # As if a second lab (or a training run on another host) were training bf16-seed0 right now.
+    held = tmp_path / "study" / "runs" / "bf16-seed0"
+    held.mkdir(parents=True)
+    (held / "run.lock").write_text(json.dumps({"host": "another-host", "pid": 1, "since": "then"}))
+    done = _lab(*TINY, "steps=2", "--arms", "bf16", "--seeds", "1", "--out", str(tmp_path / "study"), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "lab error:" in done.stderr and "in use by pid 1 on host another-host" in done.stderr
+    assert (held / "run.lock").exists() and not (held / "checkpoints").exists()
