@@ -536,6 +536,8 @@ def test_nonfinite_gives_all_nan(bad, kw):
         xb = x.at[pos].set(bad)
         q = quantize_jit(xb, **kw)
         assert np.isnan(np.asarray(dequantize_jit(q))).all() and np.isnan(float(q.amax))
+        # The stored block scales are NaN too, every one (not just the decoded values).
+        assert np.isnan(np.asarray(q.scales.astype(jnp.float32))).all()
         v, d = operand_jit(xb, **kw)
         assert np.isnan(np.asarray(v.astype(jnp.float32))).all() and np.isnan(float(d))
     # ... and eagerly on the shape the other eager tests use (compile time: 1x16 RN only).
