@@ -138,11 +138,16 @@ def layout_mismatch(model_cfg: ModelConfig, saved_param_names: Iterable[str]) ->
     )
 
 
-def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int, key):
-    params_key, quant_key, run_key = jax.random.split(key, 3)
+def _init_variables(model: nn.Module, seq_len: int, params_key, quant_key) -> dict:
+    """`model.init` on one row of `seq_len` tokens: every variable collection, boxed."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     # Every stream a quantized dot may draw from at init (TE's NVFP4 asks for "sr_rng" there).
-    variables = model.init({"params": params_key, **quant.quant_rngs(quant_key)}, tokens)
+    return model.init({"params": params_key, **quant.quant_rngs(quant_key)}, tokens)
+
+
+def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int, key):
+    params_key, quant_key, run_key = jax.random.split(key, 3)
+    variables = _init_variables(model, seq_len, params_key, quant_key)
     params = variables["params"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -233,9 +238,8 @@ def jit_quant_stats_step(
     """The jitted `make_quant_stats_step` of `model_cfg` (its own model, whose dots measure their
     operands; `backend` as in `build_model`), or None when no GEMM is quantized."""
     model = build_model(model_cfg, backend=backend, quant_stats=True)
-    tokens = jnp.zeros((1, model_cfg.max_target_length), jnp.int32)
-    rngs = {"params": jax.random.PRNGKey(0), **quant.quant_rngs(jax.random.PRNGKey(0))}
-    variables = jax.eval_shape(lambda: model.init(rngs, tokens))
+    key = jax.random.PRNGKey(0)
+    variables = jax.eval_shape(lambda: _init_variables(model, model_cfg.max_target_length, key, key))
     template = nn.meta.unbox(variables.get(health.COLLECTION))
     if not template:
         return None

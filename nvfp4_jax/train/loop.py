@@ -268,12 +268,16 @@ class _Segment:
             self.writer.write({"step": step, "eval_loss": value, "eval_perplexity": perplexity})
         self.console.info(f"eval at step {step}: loss: {value:.3f}, perplexity: {perplexity:.3f}")
         # Measured while the run still quantizes (the BF16 tail has nothing to measure).
-        t = self.cfg.train
-        if self.stats_step is not None and (t.quantization_end_step < 0 or step < t.quantization_end_step):
+        if self.stats_step is not None and self._quantizes(step):
             stats = health.flatten(jax.device_get(self.stats_step(self.state, self.eval_batches[0])))
             if self.writer:
                 self.writer.write({"step": step, "quant_stats": stats})
         return value
+
+    def _quantizes(self, step: int) -> bool:
+        """Whether the step after `step` runs the quantized GEMMs (not yet the BF16 tail)."""
+        end = self.cfg.train.quantization_end_step
+        return end < 0 or step < end
 
     def _save(self, step: int) -> None:
         record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
@@ -344,8 +348,7 @@ class _Segment:
                 if t.profiler == "xplane" and step == t.profile_start_step and self.console.is_lead:
                     jax.profiler.start_trace(os.path.join(self.run_dir, "profile"))
                     profiling = True
-                use_bf16 = bf16_step is not None and step >= t.quantization_end_step
-                self.state, step_metrics = (bf16_step if use_bf16 else train_step)(
+                self.state, step_metrics = (train_step if self._quantizes(step) else bf16_step)(
                     self.state, self._put(self.train_data, step))
                 if pending is not None:
                     self._report(pending)

@@ -88,8 +88,9 @@ def make_quant_stats_step(model: nn.Module, template) -> Callable:
 
     def stats_step(state: TrainState, batch):
         def loss_fn(stats):
-            fp8_meta = {**state.fp8_meta, health.COLLECTION: stats}
-            return _loss(model, state.params, fp8_meta, batch, state.sr_key())[0]
+            # The statistics ride beside the overwrite-with-gradient collections.
+            collections = {**state.fp8_meta, health.COLLECTION: stats}
+            return _loss(model, state.params, collections, batch, state.sr_key())[0]
 
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), template)
         return jax.grad(loss_fn)(zeros)
