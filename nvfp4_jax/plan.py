@@ -159,7 +159,7 @@ def local_device_memory() -> float | None:
 def make_plan(cfg: Config, num_devices: int, device_memory_bytes: float | None = None) -> Plan:
     from nvfp4_jax.model import Llama, select_attention
 
-    data, fsdp = sharding.mesh_shape(cfg.mesh, num_devices)
+    data, fsdp, context, tensor = sharding.mesh_shape(cfg.mesh, num_devices)
     m = cfg.model
     # Parameter shapes depend on neither the dots nor the attention kernel (cuDNN's cannot even
     # be traced without a GPU).
@@ -167,7 +167,7 @@ def make_plan(cfg: Config, num_devices: int, device_memory_bytes: float | None =
     tokens = jax.ShapeDtypeStruct((1, min(m.max_target_length, 16)), jnp.int32)
     boxed = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)["params"]
     leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    sizes = {"data": data, "fsdp": fsdp}
+    sizes = {"data": data, "fsdp": fsdp, "context": context, "tensor": tensor}
     parameters = sum(math.prod(leaf.value.shape) for leaf in leaves)
     shard = sum(_shard_elements(leaf.value.shape, leaf.names, sizes) for leaf in leaves)
     per_device_batch = cfg.train.per_device_batch_size
