@@ -27,8 +27,12 @@ MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # Logical axis -> mesh axis (None: replicated). One table for every parameter and activation.
+# The mesh axes that shard every parameter's `embed` axis (ZeRO-3 style). The context axis joins
+# fsdp, as in MaxText: its devices would otherwise hold the same weights and optimizer state.
+PARAM_AXES = ("fsdp", "context")
+
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("embed", "fsdp"),
+    ("embed", PARAM_AXES),
     ("vocab", None),
     # Megatron-style tensor parallelism: Q/K/V and gate/up split their output columns over
     # `tensor`, out and down their input rows, so each block ends in one reduction over `tensor`.
@@ -50,10 +54,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_heads", "tensor"),
     ("activation_kv", None),
     ("activation_vocab", None),
-    # The embedding lookup: tokens split over `data` only, the looked-up rows split along D over
-    # `fsdp` like the table itself (see model.layers.Embed).
+    # The embedding lookup: tokens split over `data` only and whole along the sequence, the
+    # looked-up rows split along D over fsdp x context like the table itself (model.layers.Embed).
     ("activation_lookup_batch", "data"),
-    ("activation_lookup_embed", "fsdp"),
+    ("activation_lookup_length", None),
+    ("activation_lookup_embed", PARAM_AXES),
 )
 
 
@@ -64,13 +69,13 @@ class MeshShape(NamedTuple):
     tensor: int
 
 
-_MESH_KEYS = ("dcn_data_parallelism", "ici_data_parallelism", "ici_fsdp_parallelism",
+MESH_KEYS = ("dcn_data_parallelism", "ici_data_parallelism", "ici_fsdp_parallelism",
               "dcn_context_parallelism", "ici_context_parallelism", "ici_tensor_parallelism")
 
 
 def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> MeshShape:
     """(data, fsdp, context, tensor) sizes, with -1 filled in; a clear error when they do not fit."""
-    sizes = {key: getattr(mesh_cfg, key) for key in _MESH_KEYS}
+    sizes = {key: getattr(mesh_cfg, key) for key in MESH_KEYS}
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise ConfigError(f"At most one mesh axis may be -1; got -1 for {free}.")
@@ -84,7 +89,7 @@ def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> MeshShape:
         sizes[free[0]] = num_devices // known
     total = math.prod(sizes.values())
     if total != num_devices:
-        named = [k for k in _MESH_KEYS if sizes[k] != 1 or k == "ici_fsdp_parallelism"]
+        named = [k for k in MESH_KEYS if sizes[k] != 1 or k == "ici_fsdp_parallelism"]
         raise ConfigError(
             f"Mesh does not match the devices: {' * '.join(named)} = "
             f"{' * '.join(str(sizes[k]) for k in named)} = {total}, "
@@ -131,6 +136,11 @@ def check_mesh_sizes(cfg: Config, shape: MeshShape, num_devices: int) -> None:
         raise ConfigError(
             f"base_emb_dim={m.base_emb_dim} is not divisible by the fsdp mesh axis "
             f"({shape.fsdp}); FSDP shards the embedding axis."
+        )
+    if m.base_emb_dim % (shape.fsdp * shape.context):
+        raise ConfigError(
+            f"base_emb_dim={m.base_emb_dim} is not divisible by fsdp x context = {shape.fsdp} x "
+            f"{shape.context}: parameters shard their embedding axis over both."
         )
     batch = global_batch_size(cfg.train.per_device_batch_size, num_devices)
     splits = shape.data * shape.fsdp

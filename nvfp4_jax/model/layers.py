@@ -51,6 +51,7 @@ ACTIVATION_AXES = {
     "activation_vocab": "logits' vocabulary axis, V",
     "activation_lookup_batch": "batch of the embedding lookup (data-parallel split only), B",
     "activation_lookup_embed": "model width of the embedding lookup (split like the table), D",
+    "activation_lookup_length": "sequence of the embedding lookup (whole: the table's D split may use the context axis), L",
 }
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLF = ("activation_batch", "activation_length", "activation_mlp")
@@ -121,12 +122,12 @@ class Embed(nn.Module):
             jnp.float32,
         )
         table_VxD = constrain(embedding_VxD, ("vocab", "embed"))
-        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_length"))
+        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_lookup_length"))
         # Look up in fp32 (the backward scatter-adds repeated tokens' gradients in fp32), then
         # cast before the all-to-all, which moves half the bytes.
         x_BxLxD = constrain(
             jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype),
-            ("activation_lookup_batch", "activation_length", "activation_lookup_embed"),
+            ("activation_lookup_batch", "activation_lookup_length", "activation_lookup_embed"),
         )
         return constrain(x_BxLxD, BLD)
 
