@@ -250,3 +250,25 @@ def test_nvfp4_quantizes_every_operand_like_fsdp8(name):
                     assert got_stats[projection][operand][stat] == value, (projection, operand, stat)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     np.testing.assert_allclose(got, ref, rtol=5e-3)
+
+
+@pytest.mark.slow
+def test_the_readme_16k_context_parallel_command_trains(tmp_path):
+    """The README's "Scaling out" command, as written there (2 steps of one 16K sequence on 8
+    devices), with its run directory moved under tmp_path."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+    command = next(b for b in blocks if "ici_context_parallelism=8 per_device_batch_size=0.125" in b
+                   and "nvfp4_jax.train" in b)
+    words = command.replace("\\\n", " ").split()
+    env_words = [w for w in words if w.startswith("XLA_FLAGS=")]
+    argv = [w for w in words[words.index("nvfp4_jax.train") + 1:]]
+    env = dict(os.environ, PYTHONPATH=ROOT, **dict(w.split("=", 1) for w in env_words))
+    out = subprocess.run([sys.executable, "-m", "nvfp4_jax.train", *argv, f"base_output_directory={tmp_path}",
+                          "run_name=readme16k"], capture_output=True, text=True, env=env, timeout=1500, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(os.path.join(tmp_path, "readme16k", "metrics.jsonl")) as f:
+        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    # One sequence of 16384 tokens is the whole global batch.
+    assert "max_target_length=16384" in command
