@@ -74,6 +74,7 @@ def ulysses_attention(kernel: Callable[..., jax.Array], q_BxLxHxK, k_BxMxGxK, v_
     G_local = k_BxMxGxK.shape[2] // heads_ways
     repeats = kv_repeats(G_local, H_local, ways)
     segments_spec = PartitionSpec(spec[0], axis)
+    kwargs = {name: value for name, value in kwargs.items() if value is not None}  # None: the default
     names = sorted(kwargs)
 
     def local(q_BxLpxHlxK, k_BxLpxGlxK, v_BxLpxGlxK, *values):
