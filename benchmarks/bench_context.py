@@ -51,9 +51,9 @@ from nvfp4_jax.train.build import build_model  # noqa: E402
 OUT = Path(__file__).resolve().parent / "results" / "context.json"
 
 
-def exchanged_elements(hlo: str, op: str, ways: int, head_dim: int) -> dict[str, float]:
-    """Elements one device sends by `op` per step: attention's ([..., heads, head_dim] pieces)
-    and the rest (the embedding lookup's), with the element types seen.
+def exchanged_elements(hlo: str, op: str, ways: int, shard_length: int, head_dim: int) -> dict[str, float]:
+    """Elements one device sends by `op` per step: attention's ([B, L/c or L, heads, head_dim]
+    pieces) and the rest (the embedding lookup's), with the element types seen.
 
     Counted in elements, not bytes: XLA:CPU runs bf16 collectives in f32 (the HLO shows f32),
     a GPU in bf16; the formula is in the compute dtype.
@@ -62,7 +62,8 @@ def exchanged_elements(hlo: str, op: str, ways: int, head_dim: int) -> dict[str,
     for result in re.findall(rf"= (\(.*?\)|\w+\[[0-9,]*\]\S*) {op}\(", hlo):
         for dtype, dims in re.findall(r"(\w+)\[([0-9,]*)\]", result):
             shape = [int(d) for d in dims.split(",") if d]
-            kind = "attention" if len(shape) == 4 and shape[-1] == head_dim else "other"
+            attention = len(shape) == 4 and shape[-1] == head_dim and shape[1] in (shard_length, shard_length * ways)
+            kind = "attention" if attention else "other"
             out[kind] += float(np.prod(shape)) * (ways - 1) / ways
             out["dtypes"].add(dtype)
     out["dtypes"] = sorted(out["dtypes"])
@@ -97,8 +98,9 @@ def measure(length: int, c: int, strategy: str, args) -> dict:
     for _ in range(args.repeats):
         case.run()
     K = cfg.model.head_dim
-    a2a, ag = exchanged_elements(hlo, "all-to-all", c, K), exchanged_elements(hlo, "all-gather", c, K)
-    rs = exchanged_elements(hlo, "reduce-scatter", c, K)  # all_gather's backward: dK, dV
+    Lc = length // c
+    a2a, ag = exchanged_elements(hlo, "all-to-all", c, Lc, K), exchanged_elements(hlo, "all-gather", c, Lc, K)
+    rs = exchanged_elements(hlo, "reduce-scatter", c, Lc, K)  # all_gather's backward: dK, dV
     formula = plan.communication_bytes(cfg.model, 1, c, 1)
     a = 2  # bf16 compute: the bytes a GPU would send
     return dict(
