@@ -150,6 +150,12 @@ def check_mesh_sizes(cfg: Config, shape: MeshShape, num_devices: int) -> None:
             f"sequences, which data x fsdp = {shape.data} x {shape.fsdp} devices cannot split evenly; "
             "ici_context_parallelism and ici_tensor_parallelism share sequences instead."
         )
+    if m.quantization_backend == "te" and shape.context * shape.tensor > 1:
+        raise ConfigError(
+            f"quantization_backend=te with ici_context_parallelism x ici_tensor_parallelism = "
+            f"{shape.context} x {shape.tensor}: Transformer Engine is told only the data and fsdp axes "
+            "(its amax would miss the others); use quantization_backend=emulated or xla."
+        )
     _check_context(m, shape.context)
     _check_tensor(m, shape.tensor, shape.context)
 

@@ -161,6 +161,8 @@ def _cfg(*extra):
      r"base_num_kv_heads=2 must both be divisible by ici_tensor_parallelism=4"),
     (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "quantization=te_nvfp4", "base_mlp_dim=400"],
      r"base_mlp_dim=400 / ici_tensor_parallelism=2 = 200 per shard, not a multiple of 16.*weight tiles"),
+    (["ici_fsdp_parallelism=4", "ici_context_parallelism=2", "quantization_backend=te"],
+     r"quantization_backend=te with ici_context_parallelism x ici_tensor_parallelism = 2 x 1"),
 ])
 def test_bad_context_and_tensor_configurations_are_clear_errors(extra, pattern):
     cfg = _cfg(*extra)
