@@ -37,7 +37,7 @@ def test_spec_from_the_command_line(tmp_path):
     (["--privacy", "laplace"], "--privacy='laplace'"),
     (["--sites", "2", "--site-data", "/no/such/file"], "given 1 times for --sites=2"),
     (["--sites", "1", "--site-data", "/no/such/file"], "is not a file"),
-    (["--samples-per-round", "7"], "multiple of the global batch"),
+    (["--samples-per-round", "14"], "multiple of the global batch"),
     (["--frobnicate"], "unknown option '--frobnicate'"),
     (["quantization=te_nvfp5"], "quantization"),
 ])
