@@ -15,7 +15,7 @@ from nvfp4_jax.federated.site import SiteTrainer, flat_params
 pytestmark = pytest.mark.slow
 
 KEYS = {"model_name": "tiny", "base_num_decoder_layers": 2, "quantization": "te_nvfp4", "max_target_length": 32,
-        "per_device_batch_size": 2, "steps": 6, "eval_interval": 0, "log_period": 1, "seed": 3}
+        "per_device_batch_size": 2, "steps": 6, "eval_interval": 100, "eval_steps": 1, "log_period": 1, "seed": 3}
 
 
 def test_one_site_with_all_the_data_is_plain_training(tmp_path):
