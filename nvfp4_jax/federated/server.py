@@ -134,6 +134,8 @@ class BudgetedFedAvg(FedAvg):
 
     def update_model(self, model, aggr_result):
         model = super().update_model(model, aggr_result)
+        for site in self.site_names:  # no result by the time the round closed (min_responses / timeout)
+            self._reports.setdefault(site, {"failed": True})
         seconds = [r["seconds"] for r in self._reports.values() if not r.get("failed")]
         makespan = max(seconds) if seconds else 0.0
         record = {
