@@ -27,53 +27,64 @@ def _args(argv):
 
 
 def main(argv=None) -> None:
-    import jax
     import nvflare.client as flare
     from nvflare.app_common.abstract.fl_model import ParamsType
 
-    from nvfp4_jax.config import make_config
-    from nvfp4_jax.federated import contract as contract_lib
     from nvfp4_jax.federated.server import META_KEY
-    from nvfp4_jax.federated.site import SiteTrainer
 
     args = _args(sys.argv[1:] if argv is None else argv)
     flare.init()
     site = flare.get_site_name()
-    trainer = None
-    residual = None
+    state = {"trainer": None, "residual": None}
     while flare.is_running():
         received = flare.receive()
         if received is None:
             break
         spec = received.meta[META_KEY]
-        contract = contract_lib.UpdateContract(**spec["contract"])
-        if args.crash_in_round and spec["round"] == args.crash_in_round:
-            raise RuntimeError(f"{site}: injected crash in round {spec['round']}")
-        if trainer is None:
-            overrides = {"dataset_type": "text", "dataset_path": args.data_path} if args.data_path else {}
-            cfg = make_config(spec["config"], overrides)
-            devices = jax.devices()
-            if args.devices:
-                start = args.device_offset % len(devices)
-                devices = (devices[start:] + devices[:start])[:args.devices]
-            trainer = SiteTrainer(cfg, contract, devices=devices, slowdown=args.slowdown, watts=args.watts)
-        budget = int(spec["budgets"][site])
-        result = trainer.train_round(received.params, budget)
-        if contract.sends_difference:
-            update = {k: v - received.params[k] for k, v in result.params.items()}
-        else:
-            update = result.params
-        payload, shapes, residual = contract_lib.encode(update, contract.compression, residual)
-        report = {
-            "samples": result.samples, "steps": result.steps, "seconds": result.seconds,
-            "joules": result.joules, "train_loss": result.train_loss, "shapes": shapes,
-            "payload_bytes": contract_lib.payload_bytes(payload),
-        }
+        try:
+            payload, report, contract = _train_round(args, site, spec, received, state)
+        except Exception as exc:  # a failed round: reported, left out of the average; the job goes on
+            print(f"error: {site}: round {spec.get('round')} failed: {exc}", file=sys.stderr, flush=True)
+            flare.send(flare.FLModel(params={}, meta={"NUM_STEPS_CURRENT_ROUND": 0,
+                                                      META_KEY: {"error": f"{type(exc).__name__}: {exc}"}}))
+            continue
         flare.send(flare.FLModel(
             params=payload,
             params_type=ParamsType.DIFF if contract.sends_difference else ParamsType.FULL,
-            meta={"NUM_STEPS_CURRENT_ROUND": result.samples, META_KEY: report},
+            meta={"NUM_STEPS_CURRENT_ROUND": report["samples"], META_KEY: report},
         ))
+
+
+def _train_round(args, site, spec, received, state):
+    import jax
+
+    from nvfp4_jax.config import make_config
+    from nvfp4_jax.federated import contract as contract_lib
+    from nvfp4_jax.federated.site import SiteTrainer
+
+    contract = contract_lib.UpdateContract(**spec["contract"])
+    if args.crash_in_round and spec["round"] == args.crash_in_round:
+        raise RuntimeError(f"injected crash in round {spec['round']}")
+    if state["trainer"] is None:
+        overrides = {"dataset_type": "text", "dataset_path": args.data_path} if args.data_path else {}
+        cfg = make_config(spec["config"], overrides)
+        devices = jax.devices()
+        if args.devices:
+            start = args.device_offset % len(devices)
+            devices = (devices[start:] + devices[:start])[:args.devices]
+        state["trainer"] = SiteTrainer(cfg, contract, devices=devices, slowdown=args.slowdown, watts=args.watts)
+    result = state["trainer"].train_round(received.params, int(spec["budgets"][site]))
+    if contract.sends_difference:
+        update = {k: v - received.params[k] for k, v in result.params.items()}
+    else:
+        update = result.params
+    payload, shapes, state["residual"] = contract_lib.encode(update, contract.compression, state["residual"])
+    report = {
+        "samples": result.samples, "steps": result.steps, "seconds": result.seconds,
+        "joules": result.joules, "train_loss": result.train_loss, "shapes": shapes,
+        "payload_bytes": contract_lib.payload_bytes(payload),
+    }
+    return payload, report, contract
 
 
 if __name__ == "__main__":

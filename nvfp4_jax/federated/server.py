@@ -119,7 +119,8 @@ class BudgetedFedAvg(FedAvg):
         meta = result.meta or {}
         report = meta.get(META_KEY)
         if not result.params or not isinstance(report, dict):
-            self._reports[site] = {"failed": True}
+            self._reports[site] = {"failed": True, **({"error": report["error"]} if isinstance(report, dict)
+                                                      and "error" in report else {})}
             self.warning(f"site {site} returned no update this round; it is left out of the average")
             return False
         if self._contract.compression != "none":

@@ -48,7 +48,8 @@ def test_a_site_that_crashes_mid_round_does_not_corrupt_the_global_model(tmp_pat
     out, result = _run(tmp_path, "--sites", "3", "--rounds", "1", "--budget", "equal", "--min-responses", "2",
                        "--round-timeout", "600", "--crash-site-in-round", "site-2:1")
     last = result["rounds"][-1]
-    assert last["sites"]["site-2"] == {"failed": True}
+    assert last["sites"]["site-2"] == {"failed": True, "error": "RuntimeError: injected crash in round 1"}
+    assert sorted(s for s, r in last["sites"].items() if not r.get("failed")) == ["site-1", "site-3"]
     assert "no update from site-2" in out
     model = np.load(tmp_path / "federated" / "global_model.npz")
     assert all(np.isfinite(model[k]).all() for k in model.files)
