@@ -368,6 +368,18 @@ def load_config(argv: Sequence[str] = ()) -> Config:
     return make_config(*config_layers(argv))
 
 
+def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:
+    """MaxText's global batch, `per_device_batch_size x devices`, which must be whole sequences."""
+    exact = per_device_batch_size * num_devices
+    if exact < 1 or abs(exact - round(exact)) > 1e-9:
+        raise ConfigError(
+            f"per_device_batch_size={per_device_batch_size:g} x {num_devices} devices = {exact:g} "
+            "sequences: the global batch must be a whole number >= 1 (fractional per_device_batch_size "
+            "is for context parallelism, e.g. 0.125 with 8 devices sharing one sequence)."
+        )
+    return int(round(exact))
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}.")

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nvfp4_jax.config import Config, ConfigError, MeshConfig, _block_size
+from nvfp4_jax.config import Config, ConfigError, MeshConfig, _block_size, global_batch_size  # noqa: F401
 
 # Outer to inner: the innermost axes get the closest devices (tensor parallelism talks most).
 MESH_AXES = ("data", "fsdp", "context", "tensor")
@@ -109,18 +109,6 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
     shape = mesh_shape(mesh_cfg, len(devices))
     devices.sort(key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(devices).reshape(tuple(shape)), MESH_AXES)
-
-
-def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:
-    """MaxText's global batch, `per_device_batch_size x devices`, which must be whole sequences."""
-    exact = per_device_batch_size * num_devices
-    if exact < 1 or abs(exact - round(exact)) > 1e-9:
-        raise ConfigError(
-            f"per_device_batch_size={per_device_batch_size:g} x {num_devices} devices = {exact:g} "
-            "sequences: the global batch must be a whole number >= 1 (fractional per_device_batch_size "
-            "is for context parallelism, e.g. 0.125 with 8 devices sharing one sequence)."
-        )
-    return int(round(exact))
 
 
 def check_divisibility(cfg: Config, mesh: Mesh, num_devices: int | None = None) -> None:
