@@ -164,24 +164,6 @@ class Config:
     mesh: MeshConfig = MeshConfig()
 
 
-# Keys a resumed run may change: they steer logging, checkpointing, profiling, where the run
-# lives and how it is laid out on devices, not what it computes (the global batch is checked
-# separately). `steps` stretches the learning-rate schedule from the resume on. Any other key
-# that differs from the checkpoint's stops the resume (see `resume_differences`).
-RESUME_MUTABLE_KEYS = (
-    "steps", "log_period", "eval_interval", "eval_steps", "checkpoint_period",
-    "max_checkpoints_to_keep", "checkpoint_fallback", "profiler",
-    "profile_start_step", "profile_steps", "quantization_end_step", "run_name",
-    "base_output_directory", "per_device_batch_size", "ici_data_parallelism",
-    "ici_fsdp_parallelism", "dcn_data_parallelism", "coordinator_address", "num_processes",
-    "process_id",
-    # Memory/recompute trade-offs with the same state tree (remat is bitwise-neutral; loss tiling
-    # changes only the order of the loss's sums).
-    "remat_policy", "num_vocab_tiling",
-    # Another backend runs the same numerics where the state trees agree (checked on resume).
-    "quantization_backend",
-)
-
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 # Flat key -> section name.
 KEY_SECTIONS = {
@@ -475,15 +457,3 @@ def from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
     """Inverse of `to_dict` (reads a saved config.json)."""
     flat = {f"{section}.{k}": v for section, keys in data.items() for k, v in keys.items()}
     return make_config(flat)
-
-
-def resume_differences(saved: Mapping[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint's value, new value) for each key outside RESUME_MUTABLE_KEYS that differs
-    between a checkpoint's stored config (the `to_dict` form) and `cfg`. A key present on only
-    one side (a config from another version) counts as different."""
-    absent = "(not recorded)"
-    old = {k: v for section in saved.values() if isinstance(section, Mapping) for k, v in section.items()}
-    new = {k: v for section in to_dict(cfg).values() for k, v in section.items()}
-    keys = list(new) + [k for k in old if k not in new]
-    return [(k, old.get(k, absent), new.get(k, absent)) for k in keys
-            if k not in RESUME_MUTABLE_KEYS and old.get(k, absent) != new.get(k, absent)]

@@ -7,6 +7,7 @@ import pytest
 
 from nvfp4_jax import config as config_lib
 from nvfp4_jax.config import ConfigError, load_config
+from nvfp4_jax.train import resume
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,23 +117,23 @@ def test_block_sizes_match_the_recipes():
 
 
 def test_resume_mutable_keys_are_real_keys():
-    assert set(config_lib.RESUME_MUTABLE_KEYS) <= set(config_lib.KEY_SECTIONS)
+    assert set(resume.RESUME_MUTABLE_KEYS) <= set(config_lib.KEY_SECTIONS)
     # What a run computes may never change under a resume.
     for key in ("quantization", "learning_rate", "seed", "base_emb_dim", "dataset_type", "adam_eps"):
-        assert key not in config_lib.RESUME_MUTABLE_KEYS
+        assert key not in resume.RESUME_MUTABLE_KEYS
 
 
 def test_resume_differences_lists_exactly_the_immutable_changes():
     old = load_config(["quantization=te_nvfp4", "steps=10", "seed=1"])
     new = load_config(["quantization=bf16", "steps=20", "seed=2", "log_period=3", "learning_rate=1e-3"])
-    diffs = config_lib.resume_differences(config_lib.to_dict(old), new)
+    diffs = resume.config_differences(config_lib.to_dict(old), new)
     assert diffs == [("quantization", "te_nvfp4", "bf16"), ("learning_rate", 3e-3, 1e-3), ("seed", 1, 2)]
-    assert config_lib.resume_differences(config_lib.to_dict(old), old) == []
+    assert resume.config_differences(config_lib.to_dict(old), old) == []
     # A key one side does not know (another version's config) is a difference, not a guess.
     saved = config_lib.to_dict(old)
     del saved["model"]["bf16_last_layers"]
     saved["model"]["retired_key"] = 1
-    assert config_lib.resume_differences(saved, old) == [
+    assert resume.config_differences(saved, old) == [
         ("bf16_last_layers", "(not recorded)", 0), ("retired_key", 1, "(not recorded)")]
 
 

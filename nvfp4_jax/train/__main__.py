@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvfp4_jax.data import DataError
     from nvfp4_jax.train.checkpoint import CheckpointError
     from nvfp4_jax.train.loop import NonFiniteError, format_summary, run
-    from nvfp4_jax.train.run_lock import RunLockedError
+    from nvfp4_jax.train.run_dir import RunLockedError
 
     try:
         summary = run(cfg)

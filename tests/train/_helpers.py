@@ -6,7 +6,6 @@ uninterrupted reference run (`reference_losses`). An in-process run on the test 
 virtual devices is not comparable to those at the last bit, so the reference is a process too.
 """
 
-import json
 import os
 import queue
 import subprocess
@@ -16,6 +15,8 @@ import threading
 import time
 
 import pytest
+
+from nvfp4_jax.train.run_dir import read_metrics  # noqa: F401  (the tests' reader too)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -143,11 +144,6 @@ class Training:
         while (line := self._lines.get_nowait()) is not None:
             self.stdout.append(line)
         return self.proc.returncode
-
-
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def train_losses(run_dir):
