@@ -272,6 +272,27 @@ def parse_overrides(args: Sequence[str]) -> dict[str, str]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML lets a repeated key overwrite the first silently; a config must say each key once."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key == "<<" or not isinstance(key, (str, int, float, bool)):
+                continue  # merge keys and odd keys: PyYAML's own rules and errors apply
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise _DuplicateKey(f"the key {key!r} appears twice (lines {first_line[key]} and {line}); "
+                                    "give each key once")
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise ConfigError(f"Config file {path!r} does not exist.")
@@ -279,7 +300,9 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"Config file {path!r} is a directory; give a .yml file.")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as exc:
+        raise ConfigError(f"Config file {path!r}: {exc}.") from None
     except OSError as exc:
         raise ConfigError(f"Config file {path!r} cannot be read: {exc.strerror}.") from None
     except UnicodeDecodeError:
@@ -336,6 +359,9 @@ def load_config(argv: Sequence[str] = ()) -> Config:
     return make_config(*config_layers(argv))
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}.")
@@ -362,6 +388,10 @@ def validate(cfg: Config) -> None:
             value = getattr(section, field.name)
             if isinstance(value, float):
                 _check(math.isfinite(value), field.name, value, "must be a finite number")
+            elif isinstance(value, int) and not isinstance(value, bool):
+                _check(abs(value) <= INT32_MAX, field.name, value,
+                       f"must lie within +-{INT32_MAX} (the step counter, the schedules and the "
+                       "data positions are int32 on the device)")
     for key in ("vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
                 "head_dim", "base_mlp_dim", "base_num_decoder_layers", "max_target_length"):
         _check(getattr(m, key) > 0, key, getattr(m, key), "must be a positive integer")

@@ -155,3 +155,33 @@ def test_every_quantization_flag_is_a_known_recipe():
 
     for flag in config_lib.QUANTIZATION_FLAGS:
         get_recipe(flag)  # raises on an unknown flag
+
+
+def test_a_repeated_yaml_key_is_refused_with_both_lines(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("steps: 5\nmodel_name: tiny\nsteps: 7\n")
+    with pytest.raises(ConfigError, match=r"the key 'steps' appears twice \(lines 1 and 3\)"):
+        load_config([str(path)])
+    path.write_text("steps: 5\nmodel_name: tiny\n")  # the same file without the repeat loads
+    assert load_config([str(path)]).train.steps == 5
+
+
+@pytest.mark.parametrize("key", ["steps", "checkpoint_period", "eval_interval", "quantization_end_step", "seed"])
+def test_integer_keys_are_bounded_to_int32(key):
+    with pytest.raises(ConfigError, match=rf"{key}=100000000000 is not allowed: must lie within \+-2147483647"):
+        load_config([f"{key}=100000000000"])
+    assert getattr(load_config([f"{key}=2147483647"]).train, key) == 2**31 - 1  # the largest that fits
+
+
+def test_the_cli_refuses_a_too_large_steps_before_creating_anything(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "nvfp4_jax.train", "steps=100000000000", f"base_output_directory={tmp_path}/out"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: steps=100000000000 is not allowed: must lie within +-2147483647 (the step counter, the "
+        "schedules and the data positions are int32 on the device)."]
+    assert not os.path.exists(tmp_path / "out")
