@@ -34,7 +34,7 @@ import numpy as np
 
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
-from nvfp4_jax.config import Config, to_dict
+from nvfp4_jax.config import Config, ConfigError, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.quant import health
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, resume, run_dir as run_dir_lib
@@ -102,6 +102,11 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
         console.warn(f"warning: {warning}")
     run_dir = run_dir_lib.create(cfg)
+    if cfg.train.enable_checkpointing:  # before the lock, the restore and metrics.jsonl: nothing is touched
+        problem = checkpoint.step_folder_problem(run_dir_lib.checkpoints(run_dir))
+        if problem:
+            raise ConfigError(f"{problem}: checkpoints cannot be kept there, and the run would start over. "
+                              "Move it away (or start a new run: run_name=<a new name>).")
     lock = run_dir_lib.lock(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
     with lock, shutdown.StopRequest(announce=console.warn) as stop:
         return _Segment(cfg, mesh, run_dir, datasets, console, stop, progress).run()
@@ -151,6 +156,8 @@ class _Segment:
             return state, state_sh
         if restored.rejected:
             self._set_aside([step for step, _ in restored.rejected])
+        if self.console.is_lead:  # an earlier segment killed between a save and its rotation
+            checkpoint.prune(self.manager, t.max_checkpoints_to_keep)
         self.last_good = (restored.step, restored.verified)
         how = "verified" if restored.verified else "UNVERIFIED: saved without checksums by an older version"
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
@@ -212,19 +219,19 @@ class _Segment:
         if p.step % t.log_period == 0 or p.step == t.steps or p.step == self.start + 1:
             self.console.info(metrics_lib.maxtext_line(record))
 
-    def _evaluate(self, step: int) -> float:
+    def _evaluate(self, step: int, *, log: bool = True) -> float:
         if not self.eval_batches:
             self.eval_batches.extend(self._put(self.eval_data, i) for i in range(self.cfg.train.eval_steps))
         losses = [self.eval_step(self.state, batch) for batch in self.eval_batches]
         value = float(np.mean(jax.device_get(losses)))
         perplexity = math.exp(min(value, 700))
-        if self.writer:
+        if self.writer and log:
             self.writer.write({"step": step, "eval_loss": value, "eval_perplexity": perplexity})
         self.console.info(f"eval at step {step}: loss: {value:.3f}, perplexity: {perplexity:.3f}")
         # Measured while the run still quantizes (the BF16 tail has nothing to measure).
         if self.stats_step is not None and self._quantizes(step):
             stats = health.flatten(jax.device_get(self.stats_step(self.state, self.eval_batches[0])))
-            if self.writer:
+            if self.writer and log:
                 self.writer.write({"step": step, "quant_stats": stats})
         return value
 
@@ -236,7 +243,11 @@ class _Segment:
     def _save(self, step: int) -> None:
         record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
                   "global_batch_size": self.global_batch, "quantization_backend": self.backend.name}
-        checkpoint.save(self.manager, self.state, record)
+        try:
+            checkpoint.save(self.manager, self.state, record, max_to_keep=self.cfg.train.max_checkpoints_to_keep)
+        except checkpoint.CheckpointError as exc:
+            intact = self._last_good_text().replace("The last good", "The last good (and intact)")
+            raise checkpoint.CheckpointError(f"{exc}. {intact}") from exc
         self.last_good = (step, True)
 
     def _stop_agreed(self, step: int) -> bool:
@@ -253,6 +264,20 @@ class _Segment:
     # --- the segment ------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        try:
+            summary = self._run()
+        except BaseException:
+            # The error is what the user must see: a manager that fails to close after a failed
+            # save or restore must not add its own traceback (orbax's event loop) after it.
+            if self.manager is not None:
+                with contextlib.suppress(Exception):
+                    self.manager.close()
+            raise
+        if self.manager is not None:
+            self.manager.close()
+        return summary
+
+    def _run(self) -> dict[str, Any]:
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
         optimizer = make_optimizer(t)
         self.backend = quantization_backend(m)  # chosen once, before anything is traced
@@ -288,7 +313,8 @@ class _Segment:
                 (self.console.warn if note.startswith("warning:") else self.console.info)(note)
         if self.start >= t.steps:
             self.console.info(f"The run in {self.run_dir} is already at step {self.start} of steps={t.steps}: "
-                              "nothing to train. Raise steps=... to continue it, or pick a new run_name=...")
+                              "nothing to train; evaluating it. Raise steps=... to continue it, or pick a new "
+                              "run_name=...")
         if self.console.is_lead:
             self.console.bar = metrics_lib.progress_bar(self.start, t.steps, self.progress)
         self.last_time = time.perf_counter()
@@ -323,9 +349,14 @@ class _Segment:
                     self._evaluate(reached)
             if pending is not None:
                 self._report(pending)
-            if stopped_by is None and reached > self.start:
-                final_eval = self._evaluate(reached)
-            elif stopped_by is not None:
+            if stopped_by is None:
+                # A run is finished only when its final evaluation is recorded. A resume with
+                # nothing left to train is one whose last segment stopped in its last step or
+                # during that evaluation: it evaluates (every process, the same bits) and logs
+                # the loss unless the file already has it.
+                final_eval = self._evaluate(reached, log=reached > self.start or not (
+                    self.writer and self.writer.has(reached, "eval_loss")))
+            else:
                 saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"
                 self.console.info(f"Stopped by {stopped_by} after step {reached} ({saved}); run the same "
                                   "command again to resume.")
@@ -336,8 +367,6 @@ class _Segment:
                 self.console.bar.close()
             if self.writer:
                 self.writer.close()
-            if self.manager is not None:
-                self.manager.close()
         return self._summary(reached, final_eval, stopped_by)
 
     def _summary(self, reached: int, final_eval, stopped_by) -> dict[str, Any]:
@@ -345,9 +374,7 @@ class _Segment:
         # (which this segment's writer has just rewritten clean).
         records = run_dir_lib.read_metrics(self.run_dir) if self.console.is_lead else self.history
         train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
-        evals = sorted((r["step"], r["eval_loss"]) for r in records if "eval_loss" in r)
-        if final_eval is None and stopped_by is None:  # nothing trained: the run's own last evaluation
-            final_eval = next((loss for step, loss in reversed(evals) if step == reached), None)
+        evals = sorted(run_dir_lib.iter_steps(records, "eval_loss"))
         steady = [r["tokens_per_device"] for r in self.history[1:]] or [r["tokens_per_device"] for r in self.history]
         summary = {
             "run_directory": os.path.abspath(self.run_dir),

@@ -206,10 +206,16 @@ class MetricsWriter:
             with open(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(tmp, file)
+        self._logged = {(r.get("step"), key) for r in kept for key in r}
         self._file: TextIO = open(file, "a")
+
+    def has(self, step: int, key: str) -> bool:
+        """Whether a record of `step` holding `key` is in the file (kept, or written since)."""
+        return (step, key) in self._logged
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({**record, "segment": self.segment}) + "\n")
+        self._logged.update((record.get("step"), key) for key in record)
         self._file.flush()
 
     def close(self) -> None:
