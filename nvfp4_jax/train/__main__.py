@@ -1,7 +1,7 @@
 """`python -m nvfp4_jax.train [--debug] [config.yml] [key=value ...]`: the training entry point.
 
 Exit codes:
-  0   the run finished (or was already finished)
+  0   the run finished: its final evaluation is recorded (a rerun at the last step only evaluates)
   1   an internal error: a bug, reported with its traceback
   2   something the user can fix, reported as one `error: ...` line before anything compiles:
       config, YAML, data, shapes, output paths, a resume whose config differs from the
@@ -9,7 +9,8 @@ Exit codes:
   3   a step went non-finite (loss, gradient norm or state); nothing after the last good
       checkpoint was saved
   4   a checkpoint problem: no intact checkpoint to resume from (all damaged, or the newest
-      damaged and checkpoint_fallback=false), or a save that failed
+      damaged and checkpoint_fallback=false), or a save that failed (disk full, permission;
+      the message names the previous checkpoint, which is intact)
   75  stopped by SIGTERM or SIGINT after saving a checkpoint; rerun the same command to resume
       (EX_TEMPFAIL: "try again later"). A second signal ends the process at once, by the signal.
 

@@ -194,3 +194,76 @@ def test_one_signal_is_only_a_request():
     proc = subprocess.run([sys.executable, "-c", one], env=cli_env(), cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "survived SIGTERM", proc.stderr
+
+
+# --- the same edges on real processes -------------------------------------------------------------
+
+
+def _validation_line(proc):
+    return next(line for line in proc.stdout if "validation loss:" in line).split(":")[1].strip()
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_last_step_then_a_rerun_reports_the_final_validation_loss(tmp_path):
+    reference = Training(tmp_path / "ref")
+    assert reference.finish() == 0, reference.stderr[-2000:]
+    stopped = Training(tmp_path / "cut", hold_batch_at=5)  # step index 5 is the last of steps=6
+    stopped.wait_for("WAITING_AT_BATCH 5")
+    stopped.proc.send_signal(signal.SIGTERM)
+    stopped.release()
+    assert stopped.finish() == 75, stopped.stderr[-2000:]
+    assert _validation_line(stopped) == "n/a"
+    rerun = Training(tmp_path / "cut")
+    assert rerun.finish() == 0, rerun.stderr[-2000:]
+    assert _validation_line(rerun) == _validation_line(reference) != "n/a"
+    assert run_dir_lib.is_finished(rerun.run_dir, 6)
+    # max_checkpoints_to_keep (default 5 of period 2: steps 2, 4, 6 and the stop's 6) holds.
+    assert sorted(os.listdir(os.path.join(rerun.run_dir, "checkpoints"))) == ["2", "4", "6"]
+
+
+@pytest.mark.slow
+def test_cli_checkpoints_that_is_a_file_is_exit_2_in_one_line(tmp_path):
+    first = Training(tmp_path, "steps=2")
+    assert first.finish() == 0
+    history = open(os.path.join(first.run_dir, "metrics.jsonl")).read()
+    ckpt = os.path.join(first.run_dir, "checkpoints")
+    os.rename(ckpt, ckpt + ".moved")
+    open(ckpt, "w").close()
+    again = Training(tmp_path, "steps=4")
+    assert again.finish() == 2
+    assert again.stderr.strip().splitlines() == [
+        f"error: {ckpt} is not a directory: checkpoints cannot be kept there, and the run would start over. "
+        "Move it away (or start a new run: run_name=<a new name>)."]
+    assert open(os.path.join(first.run_dir, "metrics.jsonl")).read() == history
+
+
+@pytest.mark.slow
+def test_cli_failed_save_is_exit_4_in_one_line_naming_the_intact_checkpoint(tmp_path):
+    proc = Training(tmp_path, fail_save_at=4)
+    assert proc.finish() == 4
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Saving checkpoint step 4 in "), proc.stderr[-3000:]
+    assert "No space left on device" in lines[0]
+    assert f"The last good (and intact) checkpoint is step 2 in {os.path.join(proc.run_dir, 'checkpoints')}" in lines[0]
+    resumed = Training(tmp_path)  # space freed: the run goes on from step 2
+    assert resumed.finish() == 0, resumed.stderr[-2000:]
+    assert any(line.startswith("Resumed from checkpoint step 2") for line in resumed.stdout)
+
+
+@pytest.mark.slow
+def test_cli_truncated_manifest_without_fallback_is_one_line_and_no_traceback(tmp_path):
+    first = Training(tmp_path, "steps=2")
+    assert first.finish() == 0
+    manifests = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(first.run_dir, "checkpoints"))
+                 for name in names if name == "manifest.ocdbt"]
+    assert manifests
+    for manifest in manifests:
+        with open(manifest, "r+b") as f:
+            f.truncate(os.path.getsize(manifest) // 2)
+    again = Training(tmp_path, "steps=4", "checkpoint_fallback=false")
+    assert again.finish() == 4
+    lines = again.stderr.strip().splitlines()
+    # The warning that names the damage, then the error; no orbax traceback after it.
+    assert [line.split(":")[0] for line in lines] == ["warning", "error"], again.stderr[-3000:]
+    assert lines[1].startswith("error: Checkpoint step 2 ") and "checkpoint_fallback=false forbids" in lines[1]
+    assert "Traceback" not in again.stderr and "Event loop" not in again.stderr
