@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported only now, so that config errors come back before jax loads.
     from nvfp4_jax.data import DataError
-    from nvfp4_jax.train.checkpoint import CheckpointError
+    from nvfp4_jax.train.checkpoint import CheckpointError, silence_abandoned_reads
     from nvfp4_jax.train.loop import NonFiniteError, format_summary, run
     from nvfp4_jax.train.run_dir import RunLockedError
 
+    silence_abandoned_reads()  # a damaged checkpoint's error stays the last line
     try:
         summary = run(cfg)
     except (ConfigError, DataError, RunLockedError) as exc:  # mesh errors need the devices first

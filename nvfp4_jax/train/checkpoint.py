@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -222,6 +223,24 @@ def set_aside(manager: ocp.CheckpointManager, step: int, destination: str) -> st
     target = os.path.join(destination, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(os.path.join(manager.directory, str(step)), target)
     return target
+
+
+def silence_abandoned_reads() -> None:
+    """Keeps the reads a failed restore abandons from printing tracebacks after the error line.
+
+    When one array of a damaged checkpoint fails to read, orbax's restore returns at once and
+    closes its event loop while tensorstore still reads the other arrays; each of those then
+    reports `RuntimeError: Event loop is closed` as an unraisable exception (harmless: the
+    restore has already failed). Only that exception is dropped; any other still prints."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _one_line(exc: BaseException) -> str:

@@ -156,8 +156,7 @@ class _Segment:
             return state, state_sh
         if restored.rejected:
             self._set_aside([step for step, _ in restored.rejected])
-        if self.console.is_lead:  # an earlier segment killed between a save and its rotation
-            checkpoint.prune(self.manager, t.max_checkpoints_to_keep)
+        checkpoint.prune(self.manager, t.max_checkpoints_to_keep)  # a segment killed before its rotation
         self.last_good = (restored.step, restored.verified)
         how = "verified" if restored.verified else "UNVERIFIED: saved without checksums by an older version"
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "

@@ -113,14 +113,16 @@ def read_summary(run_dir: str) -> dict[str, Any] | None:
 
 def is_finished(run_dir: str, steps: int | None = None) -> bool:
     """Whether the run in `run_dir` is finished: its summary records the final evaluation at its
-    last step (of `steps`, when given). A run stopped by a signal, or whose final evaluation was
-    lost, is not; resuming it runs what is missing."""
+    last step (or later, after a resume that lowered `steps`), of `steps` when given. A run
+    stopped by a signal, or whose final evaluation was lost, is not; resuming it runs what is
+    missing."""
     summary = read_summary(run_dir)
     return (
         summary is not None
         and summary.get("final_eval_loss") is not None
         and summary.get("stopped_by") is None
-        and summary.get("step_reached", summary.get("steps")) == summary.get("steps")
+        and isinstance(summary.get("steps"), int)
+        and summary.get("step_reached", summary["steps"]) >= summary["steps"]
         and (steps is None or summary.get("steps") == steps)
     )
 

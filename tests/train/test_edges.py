@@ -205,6 +205,8 @@ def _validation_line(proc):
 
 @pytest.mark.slow
 def test_sigterm_in_the_last_step_then_a_rerun_reports_the_final_validation_loss(tmp_path):
+    for name in ("ref", "cut"):
+        (tmp_path / name).mkdir()
     reference = Training(tmp_path / "ref")
     assert reference.finish() == 0, reference.stderr[-2000:]
     stopped = Training(tmp_path / "cut", hold_batch_at=5)  # step index 5 is the last of steps=6
