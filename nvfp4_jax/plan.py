@@ -373,6 +373,19 @@ def _max_context_line(cfg: Config, num_devices: int, memory: float) -> str:
             f"remat_policy={cfg.model.remat_policy}, attention={best.attention_kernel}")
 
 
+def check_numeric_options(args: argparse.Namespace) -> None:
+    """ConfigError naming the first numeric command-line option that is given but is not a
+    positive, finite number (a device count of 0 divides by zero, a negative one plans negative
+    memory, `inf` memory fits anything, `nan` compares false). Every option of `main` that takes
+    a number goes through here, so a new one is checked by being declared."""
+    for name, value in vars(args).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed: must be a positive, "
+                              "finite number.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nvfp4_jax.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--num-devices", type=int, default=None,
@@ -386,19 +399,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also project the step time per recipe on this GPU (docs/backends.md)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_numeric_options(args)
         cfg = load_config(rest)
         num_devices = args.num_devices
         if num_devices is None:
             axes = [getattr(cfg.mesh, key) for key in sharding.MESH_KEYS]
             # With a -1 axis, plan as a run would: for the devices this machine has.
             num_devices = jax.device_count() if -1 in axes else math.prod(axes)
-        memory = args.device_memory_gib * GIB if args.device_memory_gib else local_device_memory()
+        memory = args.device_memory_gib * GIB if args.device_memory_gib is not None else local_device_memory()
         plan = make_plan(cfg, num_devices, memory)
         if args.max_context and memory is None:
             raise ConfigError("--max-context needs the device's memory: give --device-memory-gib "
                               "(no accelerator here says it)")
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(format_plan(cfg, plan))
     if args.max_context:
