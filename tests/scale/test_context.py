@@ -243,13 +243,22 @@ def test_nvfp4_quantizes_every_operand_like_fsdp8(name):
     (ref, ref_stats) = _train_losses(extra + ["ici_fsdp_parallelism=8"], 2, stats=True)
     (got, got_stats) = _train_losses(extra + FP32_MESHES[name], 2, stats=True)
     assert set(got_stats) == set(ref_stats) and ref_stats
+    # Context parallelism splits no forward contraction: every operand is bitwise fsdp=8's.
+    # Tensor parallelism's row-parallel projections (out, down) add partial sums across shards,
+    # so what flows from them (the next layers' inputs, every dY) differs by fp32 rounding
+    # order: those operands' statistics agree within it, not bit for bit (known limitation).
+    exact = "tensor" not in name
     for projection, operands in ref_stats.items():
         for operand, stats in operands.items():
             for stat, value in stats.items():
+                got_value = got_stats[projection][operand][stat]
                 if stat == "error":  # a sum of squares: fp32 reduction order
-                    assert got_stats[projection][operand][stat] == pytest.approx(value, rel=1e-5)
-                else:  # the global amax and counts of blocks/values: exact when the codes are
-                    assert got_stats[projection][operand][stat] == value, (projection, operand, stat)
+                    assert got_value == pytest.approx(value, rel=1e-5)
+                elif exact or (operand == "w" and projection.startswith("layers_0")):
+                    # the global amax and counts of blocks/values: exact when the codes are
+                    assert got_value == value, (projection, operand, stat)
+                else:
+                    assert got_value == pytest.approx(value, rel=1e-4, abs=1e-3), (projection, operand, stat)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     np.testing.assert_allclose(got, ref, rtol=5e-3)
 
