@@ -254,7 +254,7 @@ def test_nvfp4_quantizes_every_operand_like_fsdp8(name):
                 got_value = got_stats[projection][operand][stat]
                 if stat == "error":  # a sum of squares: fp32 reduction order
                     assert got_value == pytest.approx(value, rel=1e-5)
-                elif exact or (operand == "w" and projection.startswith("layers_0")):
+                elif exact or operand.startswith("w"):  # weights: the same fp32 parameters at step 1
                     # the global amax and counts of blocks/values: exact when the codes are
                     assert got_value == value, (projection, operand, stat)
                 else:
