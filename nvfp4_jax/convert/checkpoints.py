@@ -73,7 +73,7 @@ def model_config_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, str] = (
     try:
         return make_config(overrides, model_keys_from_hf(hf)).model
     except ConfigError as exc:
-        raise ConvertError(f"config.json implies a model this Llama cannot hold: {exc}") from None
+        raise ConvertError(f"config.json with the given keys is not a model this Llama can hold: {exc}") from None
 
 
 def _shard_files(hf_dir: str) -> list[str]:

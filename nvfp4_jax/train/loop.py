@@ -36,9 +36,11 @@ import numpy as np
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
 from nvfp4_jax.config import RESUME_MUTABLE_KEYS, Config, ConfigError, resume_differences, save_json, to_dict
+from nvfp4_jax.convert import params as params_lib
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.quant import health
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
+from nvfp4_jax.train import tensorboard
 from nvfp4_jax.train.build import (
     build_model, check_backend_resume, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
     jit_train_step, quant_kernels_line, quantization_backend, state_shardings,
@@ -111,6 +113,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     distributed.maybe_initialize(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     sharding.check_divisibility(cfg, mesh)
+    params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
     console = _Console(jax.process_index() == 0)
     global_batch = cfg.train.per_device_batch_size * mesh.devices.size
     datasets = {
@@ -179,8 +182,7 @@ class _Segment:
                     f"{ckpt_dir} holds checkpoints, but enable_checkpointing=false would start the run "
                     "over beside them. Resume with enable_checkpointing=true, or start a new run: "
                     "run_name=<a new name>.")
-            state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
-            return state, state_sh
+            return self._fresh_state(model, optimizer)
         self.manager = checkpoint.make_manager(ckpt_dir, max_to_keep=t.max_checkpoints_to_keep)
         abstract, state_sh = state_shardings(model, optimizer, m.max_target_length, self.mesh)
 
@@ -193,8 +195,7 @@ class _Segment:
             on_reject=on_reject,
         )
         if restored is None:
-            state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
-            return state, state_sh
+            return self._fresh_state(model, optimizer)
         if restored.rejected:
             self._set_aside([step for step, _ in restored.rejected])
         self.last_good = (restored.step, restored.verified)
@@ -202,6 +203,16 @@ class _Segment:
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
                           f"position: step {restored.record.get('data_step')}).")
         return restored.state, state_sh
+
+    def _fresh_state(self, model, optimizer):
+        """Step 0: initialised, with `load_parameters_path`'s parameters when it names some."""
+        t = self.cfg.train
+        state, state_sh = init_state(model, optimizer, self.cfg.model.max_target_length, self.mesh, t.seed)
+        if t.load_parameters_path:
+            state = params_lib.load_into(t.load_parameters_path, state, state_sh)
+            self.console.info(f"Parameters from load_parameters_path={t.load_parameters_path} "
+                              "(fresh optimizer, step 0).")
+        return state, state_sh
 
     def _set_aside(self, steps: list[int]) -> None:
         destination = os.path.join(self.run_dir, "rejected_checkpoints")
@@ -331,6 +342,7 @@ class _Segment:
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.console.is_lead:
             self.writer = metrics_lib.MetricsWriter(metrics_path, start=self.start)
+            self.writer = tensorboard.with_tensorboard(self.writer, cfg, self.run_dir, self.start, self.console.warn)
             if self.writer.dropped:
                 self.console.info(f"metrics.jsonl: dropped {self.writer.dropped} lines logged after step "
                                   f"{self.start} by an earlier segment (this one logs those steps again).")
