@@ -92,7 +92,10 @@ class TensorBoardWriter:
         os.makedirs(directory, exist_ok=True)
         self.dropped = drop_after(directory, start)
         self._learning_rate = learning_rate
-        self._writer = SummaryWriter(logdir=directory, flush_secs=10**6)
+        # Event files are named by the second they were opened in: a numbered suffix keeps a
+        # quick restart from truncating the earlier segment's file.
+        suffix = f".{len(event_files(directory))}"
+        self._writer = SummaryWriter(logdir=directory, flush_secs=10**6, filename_suffix=suffix)
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
