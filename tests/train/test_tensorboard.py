@@ -107,3 +107,31 @@ def test_the_loop_writes_both_files_with_the_schedules_learning_rate(tmp_path):
     seen = _scalars_by_tag_and_step(str(tmp_path / tb.TENSORBOARD_DIR))
     want = float(learning_rate_schedule(cfg.train)(2))
     assert want > 0 and seen[("learning/current_learning_rate", 3)] == [pytest.approx(want, rel=1e-6)]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_shows_every_step_once_with_the_losses_of_metrics_jsonl(tmp_path):
+    import shutil
+
+    import jax
+
+    from nvfp4_jax.train.loop import run
+
+    args = ["model_name=tiny", "base_num_decoder_layers=1", "max_target_length=32", "per_device_batch_size=2",
+            "ici_fsdp_parallelism=1", "eval_steps=1", "eval_interval=2", "checkpoint_period=2",
+            f"base_output_directory={tmp_path}", "run_name=run"]
+    summary = run(load_config(args + ["steps=4"]), progress=False, devices=jax.devices()[:1])
+    run_dir = summary["run_directory"]
+    # As if killed after logging step 4 but before its checkpoint was committed.
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "4"))
+    summary = run(load_config(args + ["steps=6"]), progress=False, devices=jax.devices()[:1])
+    assert summary["resumed_from_step"] == 2
+    seen = _scalars_by_tag_and_step(os.path.join(run_dir, tb.TENSORBOARD_DIR))
+    assert all(len(values) == 1 for values in seen.values()), [k for k, v in seen.items() if len(v) > 1]
+    board = {step: values[0] for (tag, step), values in seen.items() if tag == "learning/loss"}
+    jsonl = {r["step"]: r["loss"] for r in metrics_lib.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+             if "loss" in r}
+    assert sorted(board) == sorted(jsonl) == [1, 2, 3, 4, 5, 6]
+    for step, loss in jsonl.items():
+        assert board[step] == pytest.approx(loss, rel=1e-6)  # TensorBoard stores float32
+    assert sorted(step for tag, step in seen if tag == "eval/avg_loss") == [2, 4, 6]
