@@ -1,14 +1,16 @@
 """Hugging Face Llama safetensors <-> our parameters, one tensor at a time.
 
-`from_hf` allocates the fp32 params tree once (numpy, never a device) and fills it tensor by
-tensor, shard file by shard file, so the host holds the converted weights once plus one HF
-tensor. `to_hf` reads our params (a params checkpoint as numpy, or a run's newest intact
-checkpoint restored sharded onto this process's devices) and writes safetensors shards of at
-most `max_shard_bytes`, fetching one tensor at a time.
+`from_hf` builds and saves one params leaf at a time (numpy, never a device), each filled in
+place from its HF tensors read one at a time, so the host holds one converted leaf, its
+encoded copy while orbax writes it, and one HF tensor: less than the weights once. `to_hf`
+reads our params (a params checkpoint as numpy, or a run's newest intact checkpoint restored
+sharded onto this process's devices) and streams safetensors files of at most
+`max_shard_bytes`, one tensor on the host at a time beside the params.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -19,8 +21,8 @@ import numpy as np
 from nvfp4_jax.config import ConfigError, ModelConfig, make_config
 from nvfp4_jax.convert import params as params_lib
 from nvfp4_jax.convert.hf import (
-    EMBEDDING, IGNORED_SUFFIXES, LAYOUT_KEYS, LM_HEAD, ConvertError, hf_config, model_keys_from_hf,
-    param_shapes, tensors,
+    EMBEDDING, IGNORED_SUFFIXES, LAYOUT_KEYS, LM_HEAD, ConvertError, Tensor, hf_config,
+    model_keys_from_hf, param_shapes, tensors,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -137,6 +139,7 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
     headers = _tensor_headers(_shard_files(hf_dir))
     wanted = {t.hf_name: t for t in tensors(m)}
     tied = hf.get("tie_word_embeddings", False) and LM_HEAD not in headers
+    lm_head = wanted[LM_HEAD]
     if tied:
         del wanted[LM_HEAD]
     for name, (path, shape, dtype) in headers.items():
@@ -153,27 +156,32 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
                                f"{list(t.hf_shape)}.")
         if dtype not in ("F32", "BF16", "F16"):
             raise ConvertError(f"tensor {name!r} is {dtype}; only F32, BF16 and F16 convert.")
-    # Allocated once, filled in place: untouched pages of np.empty cost no memory until written.
-    params: dict = {}
-    for path, shape in param_shapes(m).items():
-        _set(params, path, np.empty(shape, np.float32))
+    _empty_dir(out_dir, "the output")
+    # One leaf at a time: allocated, filled in place from its HF tensors (a stacked leaf from
+    # every layer's, wherever its shard file is), saved, freed.
+    # leaf -> [(HF tensor to read, where it goes)]
+    sources: dict[tuple[str, ...], list[tuple[str, Tensor]]] = {}
+    for name, t in wanted.items():
+        sources.setdefault(t.path, []).append((name, t))
+    if tied:  # our LM head is its own matrix: it starts as the embedding, trains apart from it
+        sources[lm_head.path] = [(EMBEDDING, lm_head)]
     st = _safetensors()
-    by_file: dict[str, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(headers[name][0], []).append(name)
-    for file, names in by_file.items():
-        with st.safe_open(file, framework="numpy") as f:
-            for name in names:
-                t = wanted[name]
-                dest = _get(params, t.path)
-                hf_array = f.get_tensor(name)
-                np.copyto(dest if t.index is None else dest[t.index], hf_array.T if t.transpose else hf_array,
+    shapes = param_shapes(m)
+    with contextlib.ExitStack() as files:
+        handles = {}
+        for path, placements in sources.items():
+            leaf = np.empty(shapes[path], np.float32)
+            for name, t in placements:
+                file = headers[name][0]
+                if file not in handles:
+                    handles[file] = files.enter_context(st.safe_open(file, framework="numpy"))
+                hf_array = handles[file].get_tensor(name)
+                np.copyto(leaf if t.index is None else leaf[t.index], hf_array.T if t.transpose else hf_array,
                           casting="unsafe")
                 del hf_array
-    if tied:  # our LM head is its own matrix: it starts as the embedding and trains apart from it
-        np.copyto(_get(params, ("lm_head", "kernel")), _get(params, ("token_embedder", "embedding")).T)
-    _empty_dir(out_dir, "the output")
-    params_lib.write(out_dir, params, m, source=os.path.abspath(hf_dir))
+            params_lib.write_leaf(out_dir, path, leaf)
+            del leaf
+    params_lib.write_meta(out_dir, m, os.path.abspath(hf_dir), shapes)
     return m
 
 
@@ -219,6 +227,39 @@ def _restore_run(src: str):
     return cfg.model, state.params
 
 
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def _hf_array(params, t: Tensor, np_dtype) -> np.ndarray:
+    """HF's `[out, in]` tensor `t` from our params, on the host in `np_dtype`."""
+    leaf = _get(params, t.path)
+    array = np.asarray(leaf if t.index is None else leaf[t.index])
+    return np.ascontiguousarray((array.T if t.transpose else array).astype(np_dtype))
+
+
+def _write_safetensors(path: str, planned: Sequence[Tensor], np_dtype, fetch) -> None:
+    """A safetensors file written one tensor at a time: the header from the planned shapes
+    (padded to 8 bytes, as the format recommends), then each tensor's bytes in that order."""
+    header: dict[str, Any] = {"__metadata__": _SAFETENSORS_METADATA}
+    offset = 0
+    for t in planned:
+        nbytes = int(np.prod(t.hf_shape)) * np_dtype.itemsize
+        header[t.hf_name] = {"dtype": _SAFETENSORS_DTYPES[np_dtype.name], "shape": list(t.hf_shape),
+                             "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = f"{path}.partial"
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for t in planned:
+            array = fetch(t)
+            assert array.shape == t.hf_shape and array.dtype == np_dtype, t.hf_name
+            f.write(array.tobytes())
+            del array
+    os.replace(tmp, path)
+
+
 def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> ModelConfig:
     """Writes `config.json` + safetensors (sharded with an index past `max_shard_bytes`) that
     `transformers.LlamaForCausalLM.from_pretrained(out_dir)` loads; returns the model written."""
@@ -226,7 +267,6 @@ def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: in
         raise ConvertError(f"--dtype={dtype!r} is not allowed: choose one of {list(HF_DTYPES)}.")
     if max_shard_bytes <= 0:
         raise ConvertError(f"--max-shard-bytes={max_shard_bytes} must be a positive number of bytes.")
-    st = _safetensors()
     if not os.path.exists(src):
         raise ConvertError(f"{src!r} does not exist.")
     if params_lib.is_params_checkpoint(src):
@@ -238,37 +278,25 @@ def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: in
     _empty_dir(out_dir, "the output")
     import ml_dtypes
 
-    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    shards: list[list[str]] = []
-    current: dict[str, np.ndarray] = {}
-    size = total = 0
-
-    def flush():
-        nonlocal current, size
-        if current:
-            st.numpy.save_file(current, os.path.join(out_dir, f"part-{len(shards)}.safetensors"),
-                               metadata=_SAFETENSORS_METADATA)
-            shards.append(list(current))
-        current, size = {}, 0
-
+    np_dtype = np.dtype(np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
+    # Files planned from the shapes alone, so each can be written tensor by tensor.
+    files: list[list[Tensor]] = [[]]
+    size = 0
     for t in tensors(m):
-        leaf = _get(params, t.path)
-        array = np.asarray(leaf if t.index is None else leaf[t.index])  # one tensor on the host
-        array = np.ascontiguousarray((array.T if t.transpose else array).astype(np_dtype))
-        if current and size + array.nbytes > max_shard_bytes:
-            flush()
-        current[t.hf_name] = array
-        size += array.nbytes
-        total += array.nbytes
-    flush()
-    if len(shards) == 1:
-        os.replace(os.path.join(out_dir, "part-0.safetensors"), os.path.join(out_dir, "model.safetensors"))
-    else:
-        weight_map = {}
-        for i, names in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            os.replace(os.path.join(out_dir, f"part-{i}.safetensors"), os.path.join(out_dir, name))
-            weight_map.update(dict.fromkeys(names, name))
+        nbytes = int(np.prod(t.hf_shape)) * np_dtype.itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(t)
+        size += nbytes
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    for name, planned in zip(names, files):
+        _write_safetensors(os.path.join(out_dir, name), planned, np_dtype,
+                           lambda t: _hf_array(params, t, np_dtype))
+    if len(files) > 1:
+        weight_map = {t.hf_name: name for name, planned in zip(names, files) for t in planned}
+        total = sum(int(np.prod(t.hf_shape)) * np_dtype.itemsize for planned in files for t in planned)
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

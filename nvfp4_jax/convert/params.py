@@ -1,8 +1,9 @@
 """Parameters-only checkpoints: what `from-hf` writes and `load_parameters_path` reads.
 
-A folder holding `params/` (an orbax checkpoint of the params tree, our layout) and
-`params.json` (the model keys the arrays imply, ARCHITECTURE_KEYS and LAYOUT_KEYS). The JSON is
-written last, so a folder without it is an unfinished conversion.
+A folder holding `params/<leaf path>/` (one small orbax checkpoint per array of the params
+tree, our layout, e.g. `params/layers.mlp.gate.kernel`) and `params.json` (the leaves and the
+model keys the arrays imply, ARCHITECTURE_KEYS and LAYOUT_KEYS). The JSON is written last, so a
+folder without it is an unfinished conversion.
 
 `load_parameters_path` (MaxText's key) starts a run from these parameters with a fresh optimizer
 at step 0; the run's model keys must match the recorded ones, checked before anything compiles.
@@ -30,15 +31,25 @@ def is_params_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META_FILE))
 
 
-def write(out_dir: str, params: dict, m: ModelConfig, source: str) -> None:
-    """Saves the params tree (numpy or jax arrays) and then its `params.json`."""
+def _leaf_dir(out_dir: str, path: tuple[str, ...]) -> str:
+    return os.path.abspath(os.path.join(out_dir, ARRAYS_DIR, ".".join(path)))
+
+
+def write_leaf(out_dir: str, path: tuple[str, ...], array: np.ndarray) -> None:
+    """Saves one params leaf as its own orbax checkpoint, so that a conversion holds one leaf at
+    a time (orbax keeps every array of a save in flight, encoded, until the save ends)."""
     import orbax.checkpoint as ocp
 
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.abspath(os.path.join(out_dir, ARRAYS_DIR)), params)
-    ckptr.wait_until_finished()
-    ckptr.close()
-    meta = {"format": FORMAT, "source": source,
+    # Orbax also copies numpy arrays before writing them unless told not to.
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ckptr:
+        ckptr.save(_leaf_dir(out_dir, path), args=ocp.args.PyTreeSave({"value": array}))
+
+
+def write_meta(out_dir: str, m: ModelConfig, source: str, leaves) -> None:
+    """`params.json`, written after every leaf: its presence means the conversion finished."""
+    meta = {"format": FORMAT, "source": source, "leaves": [".".join(p) for p in leaves],
             "model": {k: getattr(m, k) for k in ARCHITECTURE_KEYS + LAYOUT_KEYS}}
     with open(os.path.join(out_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
@@ -57,7 +68,8 @@ def read_meta(path: str) -> dict[str, Any]:
             meta = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConvertError(f"{meta_path!r} cannot be read as JSON ({exc}).") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("model"), dict):
+    if (not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("model"), dict)
+            or not isinstance(meta.get("leaves"), list)):
         raise ConvertError(f"{meta_path!r} is not a {FORMAT} record.")
     if not os.path.isdir(os.path.join(path, ARRAYS_DIR)):
         raise ConvertError(f"{path!r} has {META_FILE} but no {ARRAYS_DIR}/ folder of arrays.")
@@ -80,27 +92,54 @@ def check_load_path(path: str, m: ModelConfig) -> None:
                           f"run with {fix}.")
 
 
+def _leaves(tree) -> list[tuple[tuple[str, ...], Any]]:
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf in flat]
+
+
+def _nest(items) -> dict:
+    tree: dict = {}
+    for path, value in items:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
 def restore(path: str, abstract_params):
-    """The params onto `abstract_params`' shapes, dtypes and shardings: each device reads only
-    its own shards."""
+    """The params onto `abstract_params`' shapes, dtypes and shardings, leaf by leaf: each
+    device reads only its own shards."""
     import orbax.checkpoint as ocp
 
+    saved = set(read_meta(path)["leaves"])
+    wanted = _leaves(abstract_params)
+    missing = sorted(".".join(p) for p, _ in wanted if ".".join(p) not in saved)
+    if missing or len(saved) != len(wanted):
+        extra = sorted(saved - {".".join(p) for p, _ in wanted})
+        raise ConvertError(f"{path!r} holds other parameters than this model's (missing {missing[:3]}, "
+                           f"unexpected {extra[:3]}).")
+    out = []
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.abspath(os.path.join(path, ARRAYS_DIR)), abstract_params)
+        for leaf_path, abstract in wanted:
+            out.append((leaf_path, ckptr.restore(_leaf_dir(path, leaf_path), {"value": abstract})["value"]))
+    return _nest(out)
 
 
 def restore_numpy(path: str) -> dict:
     """The params tree as host numpy arrays (no device involved)."""
-    import jax
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(os.path.join(path, ARRAYS_DIR))
+    out = []
     with ocp.PyTreeCheckpointer() as ckptr:
-        meta = ckptr.metadata(directory)
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        return ckptr.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))
+        for name in read_meta(path)["leaves"]:
+            leaf_path = tuple(name.split("."))
+            args = {"value": ocp.RestoreArgs(restore_type=np.ndarray)}
+            restored = ckptr.restore(_leaf_dir(path, leaf_path), args=ocp.args.PyTreeRestore(restore_args=args))
+            out.append((leaf_path, restored["value"]))
+    return _nest(out)
 
 
 def load_into(path: str, state, state_shardings):
