@@ -14,6 +14,7 @@ import contextlib
 import glob
 import json
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -218,7 +219,10 @@ def _restore_run(src: str):
         if step is not None:
             state = checkpoint.restore(manager, abstract, step)[0]
         else:
-            restored = checkpoint.restore_newest(manager, abstract, check_record=lambda s, r: None)
+            restored = checkpoint.restore_newest(
+                manager, abstract, check_record=lambda s, r: None,
+                on_reject=lambda s, why: print(f"warning: checkpoint step {s} in {ckpt_dir} is damaged "
+                                               f"({why}); converting the next newest.", file=sys.stderr))
             if restored is None:
                 raise ConvertError(f"{ckpt_dir!r} holds no checkpoint.")
             state = restored.state

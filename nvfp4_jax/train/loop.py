@@ -113,7 +113,8 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     distributed.maybe_initialize(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     sharding.check_divisibility(cfg, mesh)
-    params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
+    if not _has_checkpoints(os.path.join(run_directory(cfg), "checkpoints")):  # a resume ignores it
+        params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
     console = _Console(jax.process_index() == 0)
     global_batch = cfg.train.per_device_batch_size * mesh.devices.size
     datasets = {

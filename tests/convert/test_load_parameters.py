@@ -71,3 +71,18 @@ def test_hf_to_training_run_and_back_is_bit_exact_at_learning_rate_zero(tmp_path
     newest = load_file(str(tmp_path / "back2" / "model.safetensors"))
     assert not np.array_equal(newest["model.layers.0.mlp.up_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"])
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
+
+
+def test_training_with_another_models_parameters_stops_in_one_line_before_compiling(tmp_path, hf_dir, capsys):
+    from nvfp4_jax.train.__main__ import main as train_main
+
+    ours = str(tmp_path / "ours")
+    from_hf(hf_dir[0], ours, {"scan_layers": "true"})
+    args = _run_args(tmp_path, ours)
+    assert train_main([a for a in args if not a.startswith("base_mlp_dim")] + ["base_mlp_dim=96"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: load_parameters_path=") and err.count("\n") == 1
+    assert "base_mlp_dim=48 (this run: 96); run with base_mlp_dim=48" in err
+    assert train_main(args[:-1] + [f"load_parameters_path={tmp_path / 'missing'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run")  # refused before the run directory was made
