@@ -116,12 +116,6 @@ def _tensor_headers(files: Sequence[str]) -> dict[str, tuple[str, tuple[int, ...
     return found
 
 
-def _set(tree: dict, path: Sequence[str], value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
 def _get(tree: Mapping, path: Sequence[str]):
     for key in path:
         tree = tree[key]
@@ -159,8 +153,7 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
             raise ConvertError(f"tensor {name!r} is {dtype}; only F32, BF16 and F16 convert.")
     _empty_dir(out_dir, "the output")
     # One leaf at a time: allocated, filled in place from its HF tensors (a stacked leaf from
-    # every layer's, wherever its shard file is), saved, freed.
-    # leaf -> [(HF tensor to read, where it goes)]
+    # every layer's, wherever its shard file is), saved, freed. leaf -> [(HF tensor, placement)]
     sources: dict[tuple[str, ...], list[tuple[str, Tensor]]] = {}
     for name, t in wanted.items():
         sources.setdefault(t.path, []).append((name, t))

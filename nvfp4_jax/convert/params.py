@@ -109,23 +109,25 @@ def _nest(items) -> dict:
     return tree
 
 
+def _matching_leaves(path: str, abstract_params) -> list[tuple[tuple[str, ...], Any]]:
+    """`abstract_params`' leaves, once checked to be exactly the checkpoint's."""
+    saved = set(read_meta(path)["leaves"])
+    wanted = _leaves(abstract_params)
+    names = {".".join(p) for p, _ in wanted}
+    if names != saved:
+        raise ConvertError(f"{path!r} holds other parameters than this model's (missing "
+                           f"{sorted(names - saved)[:3]}, unexpected {sorted(saved - names)[:3]}).")
+    return wanted
+
+
 def restore(path: str, abstract_params):
     """The params onto `abstract_params`' shapes, dtypes and shardings, leaf by leaf: each
     device reads only its own shards."""
     import orbax.checkpoint as ocp
 
-    saved = set(read_meta(path)["leaves"])
-    wanted = _leaves(abstract_params)
-    missing = sorted(".".join(p) for p, _ in wanted if ".".join(p) not in saved)
-    if missing or len(saved) != len(wanted):
-        extra = sorted(saved - {".".join(p) for p, _ in wanted})
-        raise ConvertError(f"{path!r} holds other parameters than this model's (missing {missing[:3]}, "
-                           f"unexpected {extra[:3]}).")
-    out = []
+    wanted = _matching_leaves(path, abstract_params)
     with ocp.StandardCheckpointer() as ckptr:
-        for leaf_path, abstract in wanted:
-            out.append((leaf_path, ckptr.restore(_leaf_dir(path, leaf_path), {"value": abstract})["value"]))
-    return _nest(out)
+        return _nest((p, ckptr.restore(_leaf_dir(path, p), {"value": a})["value"]) for p, a in wanted)
 
 
 def restore_numpy(path: str) -> dict:
@@ -153,4 +155,10 @@ def load_into(path: str, state, state_shardings):
 
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             state.params, state_shardings.params)
+    try:
+        _matching_leaves(path, abstract)
+    except ConvertError as exc:
+        raise ConfigError(f"load_parameters_path={path!r}: {exc}") from None
+    for leaf in jax.tree.leaves(state.params):  # never two copies of the params on the devices
+        leaf.delete()
     return state.replace(params=restore(path, abstract))

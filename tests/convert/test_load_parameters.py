@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import HF_CONFIG
+from _hf_files import HF_CONFIG
 from nvfp4_jax.config import load_config
 from nvfp4_jax.convert import params as params_lib
 from nvfp4_jax.convert.__main__ import main

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import HF_CONFIG
+from _hf_files import HF_CONFIG
 from nvfp4_jax.convert import params as params_lib
 from nvfp4_jax.convert.checkpoints import from_hf, to_hf
 from nvfp4_jax.model import Llama
