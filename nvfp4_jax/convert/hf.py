@@ -180,7 +180,9 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
         "head_dim": m.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": m.normalization_layer_epsilon,
-        "max_position_embeddings": max(m.max_target_length, m.rope_original_max_position),
+        # Llama 3.1 publishes original x factor (131072); the context the RoPE scaling serves.
+        "max_position_embeddings": max(m.max_target_length,
+                                       int(m.rope_original_max_position * m.rope_scaling_factor)),
         "rope_parameters": rope,
         "attention_bias": False,
         "mlp_bias": False,

@@ -47,18 +47,6 @@ def event_files(directory: str) -> list[str]:
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if "tfevents" in n)
 
 
-def read_scalars(directory: str) -> list[tuple[int, str, float]]:
-    """(step, tag, value) of every scalar in the directory's event files, in file order."""
-    from tensorboardX.proto import event_pb2
-
-    out = []
-    for path in event_files(directory):
-        for _, payload in _records(path):
-            event = event_pb2.Event.FromString(payload)
-            out.extend((event.step, v.tag, v.simple_value) for v in event.summary.value)
-    return out
-
-
 def drop_after(directory: str, start: int) -> int:
     """Removes the events of steps > `start` (and a torn last record); returns how many
     scalar events were removed."""

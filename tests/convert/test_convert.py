@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from _hf_files import HF_CONFIG, hf_shapes, write_hf_dir
+from _hf_files import HF_CONFIG, write_hf_dir
 from nvfp4_jax.config import MODEL_PRESETS, ConfigError, make_config
 from nvfp4_jax.convert import params as params_lib
 from nvfp4_jax.convert.__main__ import main
