@@ -32,10 +32,10 @@ def _options(args: list[str], allowed: dict[str, str]) -> tuple[list[str], dict[
         if not arg.startswith("--"):
             positional.append(arg)
             continue
-        name, _, value = arg[2:].partition("=")
+        name, sep, value = arg[2:].partition("=")
         if name not in allowed:
             raise ValueError(f"Unknown option {arg!r}; to-hf takes {', '.join('--' + k for k in allowed)}.")
-        if not _:
+        if not sep:
             value = next(it, None)
             if value is None:
                 raise ValueError(f"Option --{name} needs a value ({allowed[name]}).")
@@ -45,9 +45,11 @@ def _options(args: list[str], allowed: dict[str, str]) -> tuple[list[str], dict[
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        return _fail("No command; choose from-hf or to-hf (python -m nvfp4_jax.convert --help).")
+    if argv[0] in ("-h", "--help"):
         print(__doc__)
-        return EXIT_OK if argv else EXIT_USER
+        return EXIT_OK
     command, args = argv[0], argv[1:]
     from nvfp4_jax.config import ConfigError, parse_overrides
     from nvfp4_jax.convert.hf import ConvertError

@@ -220,9 +220,42 @@ def test_every_bad_hf_folder_is_one_line_and_exit_2(tmp_path, capsys, how, named
     (["to-hf", "{tmp}", "{tmp}/out", "--shards"], "Unknown option '--shards'"),
     (["to-hf", "{tmp}", "{tmp}/out", "--max-shard-bytes", "lots"], "must be a positive whole number"),
     (["export", "{hf}"], "Unknown command 'export'"),
+    ([], "No command; choose from-hf or to-hf"),
 ])
 def test_every_bad_command_line_is_one_line_and_exit_2(tmp_path, capsys, hf_dir, args, named):
     args = [a.format(tmp=tmp_path, hf=hf_dir[0]) for a in args]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+
+
+_PEAK_RSS = """
+import sys
+from nvfp4_jax.convert.checkpoints import from_hf
+import jax, orbax.checkpoint, safetensors  # their own memory is not the conversion's
+
+def peak_mib():
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
+
+before = peak_mib()
+from_hf(sys.argv[1], sys.argv[2], {"scan_layers": "true"})
+print(peak_mib() - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak RSS from /proc")
+def test_from_hf_needs_less_host_memory_than_the_converted_weights(tmp_path):
+    import subprocess
+    import sys
+
+    config = dict(HF_CONFIG, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+    hf = write_hf_dir(str(tmp_path / "hf"), config, dtype="bfloat16", shards=3)
+    weights_mib = sum(a.size for a in hf.values()) * 4 / 2**20  # fp32, as converted
+    del hf
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(tmp_path / "hf"), str(tmp_path / "ours")],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=repo), check=True)
+    growth_mib = float(out.stdout.split()[-1])
+    assert growth_mib < weights_mib, (growth_mib, weights_mib)
