@@ -259,3 +259,24 @@ def test_from_hf_needs_less_host_memory_than_the_converted_weights(tmp_path):
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=repo), check=True)
     growth_mib = float(out.stdout.split()[-1])
     assert growth_mib < weights_mib, (growth_mib, weights_mib)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model_name": "tiny"},
+    {"model_name": "tiny", "scan_layers": True, "bf16_first_layers": 1, "bf16_last_layers": 1},
+    {"model_name": "llama3-8b"},
+])
+def test_the_map_covers_exactly_the_models_parameters(overrides):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from nvfp4_jax.convert.hf import param_shapes
+    from nvfp4_jax.model import Llama
+
+    m = make_config(overrides).model
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    boxed = jax.eval_shape(lambda: Llama(m).init(jax.random.PRNGKey(0), tokens))["params"]
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed))[0]
+    model = {tuple(k.key for k in path): leaf.shape for path, leaf in flat}
+    assert model == param_shapes(m)
