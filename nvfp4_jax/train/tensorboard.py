@@ -105,11 +105,14 @@ class TensorBoardWriter:
 
 
 class _Both:
-    """metrics.jsonl and TensorBoard behind the MetricsWriter interface."""
+    """metrics.jsonl and TensorBoard behind the MetricsWriter interface (the rest of which,
+    `has`, `segment`, `notes`, ..., is the MetricsWriter's)."""
 
     def __init__(self, jsonl, board: TensorBoardWriter):
         self._jsonl, self._board = jsonl, board
-        self.dropped, self.segment = jsonl.dropped, jsonl.segment
+
+    def __getattr__(self, name: str):
+        return getattr(self._jsonl, name)
 
     def write(self, record: dict[str, Any]) -> None:
         self._jsonl.write(record)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from nvfp4_jax.config import load_config
-from nvfp4_jax.train import metrics as metrics_lib
+from nvfp4_jax.train import run_dir as run_dir_lib
 from nvfp4_jax.train import tensorboard as tb
 from nvfp4_jax.train.optimizer import learning_rate_schedule
 
@@ -87,7 +87,7 @@ def test_a_resume_replaces_the_steps_after_its_checkpoint_and_keeps_the_rest(tmp
 def test_without_tensorboardx_the_run_warns_once_and_goes_on(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
     cfg = load_config([f"base_output_directory={tmp_path}"])
-    jsonl = metrics_lib.MetricsWriter(str(tmp_path / "metrics.jsonl"))
+    jsonl = run_dir_lib.MetricsWriter(str(tmp_path))
     warnings = []
     assert tb.with_tensorboard(jsonl, cfg, str(tmp_path), 0, warnings.append) is jsonl
     assert len(warnings) == 1 and "pip install 'nvfp4_jax[tensorboard]'" in warnings[0]
@@ -99,11 +99,12 @@ def test_without_tensorboardx_the_run_warns_once_and_goes_on(tmp_path, monkeypat
 
 def test_the_loop_writes_both_files_with_the_schedules_learning_rate(tmp_path):
     cfg = load_config([f"base_output_directory={tmp_path}", "steps=10", "learning_rate=0.5"])
-    jsonl = metrics_lib.MetricsWriter(str(tmp_path / "metrics.jsonl"))
+    jsonl = run_dir_lib.MetricsWriter(str(tmp_path))
     both = tb.with_tensorboard(jsonl, cfg, str(tmp_path), 0, print)
     both.write(_step(3, 2.0))
     both.close()
-    assert metrics_lib.read_metrics(str(tmp_path / "metrics.jsonl"))[0]["loss"] == 2.0
+    assert run_dir_lib.read_metrics(str(tmp_path))[0]["loss"] == 2.0
+    assert both.has(3, "loss") and both.segment == 0
     seen = _scalars_by_tag_and_step(str(tmp_path / tb.TENSORBOARD_DIR))
     want = float(learning_rate_schedule(cfg.train)(2))
     assert want > 0 and seen[("learning/current_learning_rate", 3)] == [pytest.approx(want, rel=1e-6)]
@@ -129,8 +130,7 @@ def test_a_resumed_run_shows_every_step_once_with_the_losses_of_metrics_jsonl(tm
     seen = _scalars_by_tag_and_step(os.path.join(run_dir, tb.TENSORBOARD_DIR))
     assert all(len(values) == 1 for values in seen.values()), [k for k, v in seen.items() if len(v) > 1]
     board = {step: values[0] for (tag, step), values in seen.items() if tag == "learning/loss"}
-    jsonl = {r["step"]: r["loss"] for r in metrics_lib.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-             if "loss" in r}
+    jsonl = {r["step"]: r["loss"] for r in run_dir_lib.read_metrics(run_dir) if "loss" in r}
     assert sorted(board) == sorted(jsonl) == [1, 2, 3, 4, 5, 6]
     for step, loss in jsonl.items():
         assert board[step] == pytest.approx(loss, rel=1e-6)  # TensorBoard stores float32
