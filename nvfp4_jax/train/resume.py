@@ -34,6 +34,9 @@ RESUME_MUTABLE_KEYS = (
     "process_id",
     "remat_policy", "num_vocab_tiling",
     "quantization_backend",
+    # Where a fresh run's parameters came from (a resume restores its own checkpoint), and
+    # whether metrics also go to TensorBoard.
+    "load_parameters_path", "enable_tensorboard",
 )
 
 # Where a run is, not what it is.
