@@ -149,6 +149,13 @@ class TrainConfig:
     profiler: str = ""
     profile_start_step: int = 5
     profile_steps: int = 3
+    # --- Checkpoint interop and TensorBoard (MaxText's keys) ---
+    # A parameters checkpoint (`python -m nvfp4_jax.convert from-hf`) to start from: its
+    # parameters, a fresh optimizer, step 0. Ignored once the run has checkpoints of its own.
+    load_parameters_path: str = ""
+    # Step metrics as TensorBoard scalars in <run dir>/tensorboard/ (extra `tensorboard`;
+    # without it a warning, and the run goes on).
+    enable_tensorboard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
