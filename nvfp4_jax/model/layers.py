@@ -23,6 +23,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from nvfp4_jax.model.attention import ATTENTION_FNS
+from nvfp4_jax.model.ulysses import context_parallel_attention
 
 # A zero-argument factory returning a `jax.lax.dot_general`-compatible callable (a plain function
 # or a Flax module instance); None means `jax.lax.dot_general`.
@@ -50,6 +51,7 @@ ACTIVATION_AXES = {
     "activation_vocab": "logits' vocabulary axis, V",
     "activation_lookup_batch": "batch of the embedding lookup (data-parallel split only), B",
     "activation_lookup_embed": "model width of the embedding lookup (split like the table), D",
+    "activation_lookup_length": "sequence of the embedding lookup (whole: the table's D split may use the context axis), L",
 }
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLF = ("activation_batch", "activation_length", "activation_mlp")
@@ -120,12 +122,12 @@ class Embed(nn.Module):
             jnp.float32,
         )
         table_VxD = constrain(embedding_VxD, ("vocab", "embed"))
-        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_length"))
+        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_lookup_length"))
         # Look up in fp32 (the backward scatter-adds repeated tokens' gradients in fp32), then
         # cast before the all-to-all, which moves half the bytes.
         x_BxLxD = constrain(
             jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype),
-            ("activation_lookup_batch", "activation_length", "activation_lookup_embed"),
+            ("activation_lookup_batch", "activation_lookup_length", "activation_lookup_embed"),
         )
         return constrain(x_BxLxD, BLD)
 
@@ -198,6 +200,8 @@ class Attention(nn.Module):
     dot_general_cls: DotGeneralFactory = None
     # One of attention.KERNELS (already resolved: never "autoselected" here).
     kernel: str = "dot_product"
+    # How the kernel runs on a sequence split over devices (model.ulysses.STRATEGIES).
+    context_strategy: str = "all_gather"
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -216,7 +220,8 @@ class Attention(nn.Module):
         q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_L, inv_freq_K2), BLHK)
         k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_L, inv_freq_K2), BLHK)
         v_BxLxGxK = constrain(v_BxLxGxK, BLHK)
-        ctx_BxLxHxK = ATTENTION_FNS[self.kernel](q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        attend = context_parallel_attention(ATTENTION_FNS[self.kernel], self.context_strategy)
+        ctx_BxLxHxK = attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         ctx_BxLxHxK = checkpoint_name(constrain(ctx_BxLxHxK, BLHK), "context")
         return dense(D, ("q_heads_x_dim", "embed"), "out")(ctx_BxLxHxK.reshape(B, L, H * K))
 

@@ -144,7 +144,8 @@ class DecoderLayer(nn.Module):
         eps = cfg.normalization_layer_epsilon
         h_BxLxD = x_BxLxD + Attention(
             cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim, tuple(inv_freq.tolist()),
-            dtype, self.attention_dot_general_cls, self.attention_kernel, name="attention",
+            dtype, self.attention_dot_general_cls, self.attention_kernel,
+            context_strategy=cfg.context_parallel_strategy, name="attention",
         )(RMSNorm(eps, dtype, name="attention_norm")(x_BxLxD))
         h_BxLxD = constrain(h_BxLxD, BLD)
         out_BxLxD = h_BxLxD + MLP(cfg.base_mlp_dim, dtype, self.mlp_dot_general_cls, name="mlp")(

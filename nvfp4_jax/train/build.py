@@ -160,7 +160,7 @@ def backend_scope(model: Llama):
     on Transformer Engine (TE's partitioning reads it), nothing otherwise."""
     if not _runs_on_te(model):
         return contextlib.nullcontext()
-    data, fsdp = sharding.MESH_AXES
+    data, fsdp = sharding.BATCH_AXES
     return quant.te_backend.mesh_resource_scope(dp_axis=data, fsdp_axis=fsdp)
 
 
