@@ -59,6 +59,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunk", type=int, default=512, help="attention_chunk_size of the chunked kernel")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    env = environment()  # the revision as the cases start, before anything can change it
     rows = []
     print(f"{'tokens':>7} {'kernel':>12} {'temp MiB':>10} {'args MiB':>9} {'compile s':>9}")
     for seq_len in (int(x) for x in args.lengths.split(",")):
@@ -68,7 +69,7 @@ def main(argv=None) -> dict:
             print(f"{seq_len:>7} {kernel:>12} {row['temp_mib']:>10.1f} {row['argument_mib']:>9.1f} "
                   f"{row['compile_s']:>9.1f}", flush=True)
     cfg = make_config({**BASE, "attention": "chunked", "attention_chunk_size": args.chunk})
-    result = dict(benchmark="attention_memory", environment=environment(), config=to_dict(cfg),
+    result = dict(benchmark="attention_memory", environment=env, config=to_dict(cfg),
                   note="compiled only (memory_analysis of the executable), never run; "
                        "max_target_length and attention vary per row",
                   rows=rows)

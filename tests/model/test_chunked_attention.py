@@ -52,9 +52,11 @@ def _assert_close(ours, theirs, tols, names=("out", "dq", "dk", "dv")):
         np.testing.assert_allclose(a, b, atol=tol * scale, rtol=0, err_msg=name)
 
 
-# L not a multiple of the block (37 = 4 x 8 + 5, 24 = 16 + 8), one block (block > L), GQA and MHA.
-@pytest.mark.parametrize("L, block, kv_heads", [(37, 8, 2), (24, 16, 1), (24, 8, 4), (13, 64, 2)])
-@pytest.mark.parametrize("segmented", [False, True])
+# L not a multiple of the block (37 = 4 x 8 + 5, 24 = 16 + 8), one block (block > L); GQA, MQA
+# and MHA; with and without segments.
+@pytest.mark.parametrize("L, block, kv_heads, segmented", [
+    (37, 8, 2, True), (37, 8, 2, False), (24, 16, 1, True), (24, 8, 4, False), (13, 64, 2, True),
+])
 def test_chunked_matches_dot_product_in_fp32_forward_and_gradients(L, block, kv_heads, segmented):
     q, k, v, dy = _qkv(L, kv_heads)
     seg = _segments(L) if segmented else None
@@ -175,3 +177,13 @@ def test_autoselected_off_gpu_picks_chunked_only_for_long_sequences():
     assert short.kernel == "dot_product" and select_attention("autoselected").kernel == "dot_product"
     assert long.kernel == "chunked" and f"> {CHUNKED_ABOVE}" in long.reason
     assert select_attention("chunked", seq_len=16).kernel == "chunked"
+
+
+def test_build_model_selects_chunked_for_long_sequences_off_gpu():
+    from nvfp4_jax.config import load_config
+    from nvfp4_jax.train.build import build_model, describe_attention
+
+    long = load_config(["max_target_length=4096"]).model
+    assert describe_attention(long).startswith("attention: chunked (autoselected: no NVIDIA GPU")
+    assert build_model(long).attention_kernel == "chunked"
+    assert build_model(load_config(["max_target_length=2048"]).model).attention_kernel == "dot_product"
