@@ -237,9 +237,9 @@ class Llama(nn.Module):
         """Weighted mean next-token cross-entropy (fp32) and the weight it divides by.
 
         `sum(weight * loss) / sum(weight)` over the whole (global) batch: MaxText's
-        `total_weights` is that denominator. `loss_weights_BxL` None counts every target; a
-        batch whose weights are all zero has loss 0. The logits are computed
-        `num_vocab_tiling` tiles at a time (see `model/loss.py`).
+        `total_weights` is that denominator. `loss_weights_BxL` is the loss mask (1: counted,
+        0: padding or masked; None counts every target); an all-zero mask gives loss 0. The
+        logits are computed `num_vocab_tiling` tiles at a time (see `model/loss.py`).
         """
         h_BxLxD = self.features(self.embed(tokens_BxL), segment_ids_BxL, positions_BxL)
         total = self.lm_head(h_BxLxD, targets_BxL, self.cfg.num_vocab_tiling, loss_weights_BxL)
@@ -247,5 +247,6 @@ class Llama(nn.Module):
             total_weights = jnp.asarray(targets_BxL.size, jnp.float32)
         else:
             total_weights = loss_weights_BxL.astype(jnp.float32).sum()
-        # max(., 1) changes nothing for a count of tokens >= 1 and keeps an empty batch finite.
+        # The weights count tokens (0 or 1): max(., 1) changes no count >= 1 and keeps an
+        # all-padding batch's loss 0 instead of 0 / 0.
         return total / jnp.maximum(total_weights, 1.0), total_weights
