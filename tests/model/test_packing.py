@@ -98,8 +98,12 @@ def _cross_entropy64(logits, targets):
 def test_packed_loss_is_the_per_document_reference(variables, kernel):
     model = _model(kernel)
     batch = _packed_row()
-    loss, total_weights = jax.jit(lambda b: model.apply(
-        variables, b["inputs"], b["targets"], method="loss", **document_inputs(b)))(batch)
+    loss_fn = jax.jit(lambda b: model.apply(
+        variables, b["inputs"], b["targets"], method="loss", **document_inputs(b)))
+    loss, total_weights = loss_fn(batch)
+    # A row of padding only: nothing counted, loss 0 (not 0 / 0).
+    empty = loss_fn(dict(batch, targets_segmentation=jnp.zeros_like(batch["targets_segmentation"])))
+    assert (float(empty[0]), float(empty[1])) == (0.0, 0.0)
     counted = np.asarray(batch["targets_segmentation"][0]) != 0
     assert float(total_weights) == counted.sum() == DOC1 + DOC2 - 2
     per_token = []
