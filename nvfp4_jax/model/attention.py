@@ -6,8 +6,9 @@ G key/value heads, R = H / G, K head dim.
 - `dot_product`: scores and softmax in fp32, materialised per head (`[B, G, R, L, M]`), then a
   second product with V. Runs everywhere; its saved probabilities grow with L^2.
 - `cudnn_flash`: cuDNN's fused attention through `jax.nn.dot_product_attention(...,
-  implementation="cudnn")`: no L x M tensor in memory, only the output and a log-sum-exp per
-  query row are kept for the backward pass. NVIDIA GPUs of compute capability 8.0 or newer, bf16.
+  implementation="cudnn")`: no per-head L x M tensor in memory, only the output and a
+  log-sum-exp per query row are kept for the backward pass (packed rows add one `[B, 1, L, M]`
+  bf16 mask bias). NVIDIA GPUs of compute capability 8.0 or newer, bf16.
 - `chunked`: FlashAttention's blocked online softmax in `jax.numpy`/`lax` loops
   (`chunked_attention.py`): memory linear in L on every device, `attention_chunk_size` queries
   and keys at a time, recomputing scores in the backward pass.
