@@ -36,7 +36,7 @@ QUANTIZATION_FLAGS = (
 )
 ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
 # MaxText's attention kernel names; "cudnn_flash_te" is MaxText's name for the same fused kernel.
-ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te")
+ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te", "chunked")
 # MaxText's remat policy names (the ones that apply to this model) plus "none": no remat.
 REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_except_mlp")
 # Which code runs the MLP GEMMs (nvfp4_jax.quant.backends.BACKENDS; docs/backends.md).
@@ -84,11 +84,16 @@ class ModelConfig:
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     # Attention kernel: autoselected picks cudnn_flash on NVIDIA GPUs that run it, else
-    # dot_product (scores and softmax in fp32, materialised per head).
+    # chunked above 2048 tokens (memory linear in L) and dot_product up to it (scores and
+    # softmax in fp32, materialised per head).
     attention: str = "autoselected"
     # Long context (issue 21): attention's algorithm under ici/dcn_context_parallelism > 1
     # (CONTEXT_PARALLEL_STRATEGIES; nvfp4_jax.model.ulysses).
     context_parallel_strategy: str = "all_gather"
+    # --- chunked attention (attention=chunked) ---
+    # Queries and keys per block of its online softmax (MaxText's sa_block_q/sa_block_kv in
+    # one key); any sequence length works (padded up to whole blocks inside).
+    attention_chunk_size: int = 512
     # Decoder layers under one scan (compile time flat in depth; parameters stacked on a
     # leading "layers" axis) or unrolled (`layers_{i}`). Checkpoints hold one layout or the other.
     scan_layers: bool = True
@@ -504,6 +509,8 @@ def _validate_layout_keys(m: ModelConfig) -> None:
            f"choose one of {list(ATTENTION_KERNELS)}")
     _check(m.context_parallel_strategy in CONTEXT_PARALLEL_STRATEGIES, "context_parallel_strategy",
            m.context_parallel_strategy, f"choose one of {list(CONTEXT_PARALLEL_STRATEGIES)}")
+    _check(m.attention_chunk_size > 0, "attention_chunk_size", m.attention_chunk_size,
+           "must be a positive integer (queries and keys per block of attention=chunked)")
     _check(m.remat_policy in REMAT_POLICIES, "remat_policy", m.remat_policy,
            f"choose one of {list(REMAT_POLICIES)}")
     _check(m.num_vocab_tiling > 0 and m.max_target_length % m.num_vocab_tiling == 0,

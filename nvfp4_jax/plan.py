@@ -246,7 +246,7 @@ def make_plan(cfg: Config, num_devices: int, device_memory_bytes: float | None =
     parameters, shard = _parameter_counts(dataclasses.replace(m, max_target_length=16), shape)
     global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, num_devices)
     rows = global_batch / (shape.data * shape.fsdp)
-    kernel = select_attention(m.attention).kernel
+    kernel = select_attention(m.attention, seq_len=m.max_target_length).kernel
     saved, working = activation_bytes(m, rows, kernel, context=shape.context, tensor=shape.tensor,
                                       strategy=m.context_parallel_strategy)
     return Plan(

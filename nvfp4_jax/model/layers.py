@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from nvfp4_jax.model.attention import ATTENTION_FNS
+from nvfp4_jax.config import ModelConfig
+from nvfp4_jax.model.attention import attention_fn
 from nvfp4_jax.model.ulysses import context_parallel_attention
 
 # A zero-argument factory returning a `jax.lax.dot_general`-compatible callable (a plain function
@@ -175,22 +176,28 @@ def rope_frequencies(
     return np.where(wavelen < original_max_position / high_freq_factor, inv_freq, scaled)
 
 
-def apply_rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, inv_freq_K2: np.ndarray) -> jax.Array:
+def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, inv_freq_K2: np.ndarray) -> jax.Array:
     """Rotates the pairs (x[i], x[i + K/2]) by angle position * inv_freq[i], in fp32.
+
+    `positions_BxL` is each token's position in its document ([B, L], or [L] for every row).
 
     The half-split pairing of Hugging Face's Llama; Meta's checkpoints pair (x[2i], x[2i+1]), so
     their Q/K kernels would need HF's column permutation to load here.
     """
-    angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq_K2, jnp.float32)
-    angle_Lx1xK2 = angle_LxK2[:, None, :]
-    cos, sin = jnp.cos(angle_Lx1xK2), jnp.sin(angle_Lx1xK2)
+    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K2, jnp.float32)
+    angle_BxLx1xK2 = angle_BxLxK2[..., None, :]
+    cos, sin = jnp.cos(angle_BxLx1xK2), jnp.sin(angle_BxLx1xK2)
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_BxLxHxK.dtype)
 
 
 class Attention(nn.Module):
-    """Q/K/V projections, rotary embedding, causal GQA, output projection."""
+    """Q/K/V projections, rotary embedding, causal GQA within segments, output projection.
+
+    `segment_ids_BxL` (None: one segment per row) keeps attention inside each document;
+    `positions_BxL` (None: 0..L-1) are the rotary positions, restarting per document.
+    """
 
     num_query_heads: int
     num_kv_heads: int
@@ -202,9 +209,12 @@ class Attention(nn.Module):
     kernel: str = "dot_product"
     # How the kernel runs on a sequence split over devices (model.ulysses.STRATEGIES).
     context_strategy: str = "all_gather"
+    # Queries and keys per block of the chunked kernel (attention_chunk_size).
+    chunk_size: int = ModelConfig.attention_chunk_size
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, G, K = self.num_query_heads, self.num_kv_heads, self.head_dim
 
@@ -215,13 +225,13 @@ class Attention(nn.Module):
         q_BxLxHxK = dense(H * K, ("embed", "q_heads_x_dim"), "query")(x_BxLxD).reshape(B, L, H, K)
         k_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "key")(x_BxLxD).reshape(B, L, G, K)
         v_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "value")(x_BxLxD).reshape(B, L, G, K)
-        positions_L = jnp.arange(L)
+        positions_BxL = jnp.arange(L)[None] if positions_BxL is None else positions_BxL
         inv_freq_K2 = np.asarray(self.inv_freq)
-        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_L, inv_freq_K2), BLHK)
-        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_L, inv_freq_K2), BLHK)
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_BxL, inv_freq_K2), BLHK)
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_BxL, inv_freq_K2), BLHK)
         v_BxLxGxK = constrain(v_BxLxGxK, BLHK)
-        attend = context_parallel_attention(ATTENTION_FNS[self.kernel], self.context_strategy)
-        ctx_BxLxHxK = attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        attend = context_parallel_attention(attention_fn(self.kernel, self.chunk_size), self.context_strategy)
+        ctx_BxLxHxK = attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL=segment_ids_BxL)
         ctx_BxLxHxK = checkpoint_name(constrain(ctx_BxLxHxK, BLHK), "context")
         return dense(D, ("q_heads_x_dim", "embed"), "out")(ctx_BxLxHxK.reshape(B, L, H * K))
 
