@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits as _assert_trees_bitwise
 
 from nvfp4_jax.config import load_config
 from nvfp4_jax.model import Llama, layer_blocks
@@ -47,13 +48,6 @@ def _stack_unrolled(tree, blocks):
         elif names:
             out[names[0]] = tree[names[0]]
     return out
-
-
-def _assert_trees_bitwise(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
 def test_layer_blocks_scan_the_quantized_middle_and_unroll_the_bf16_ends():

@@ -12,6 +12,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits
 from jax import lax
 
 from nvfp4_jax.quant import (
@@ -81,8 +82,7 @@ def test_bf16_is_exactly_lax_dot_general(flag):
     dims = (((2,), (1,)), ((0,), (0,)))
     ours = jax.jit(jax.value_and_grad(lambda x, w: make_dot_general(flag)(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
     ref = jax.jit(jax.value_and_grad(lambda x, w: lax.dot_general(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
-    for a, b in zip(jax.tree.leaves(ours(x, w)), jax.tree.leaves(ref(x, w))):
-        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(ours(x, w), ref(x, w))
 
 
 # --- FPROP ------------------------------------------------------------------------------------
@@ -484,9 +484,14 @@ def test_indivisible_sizes(flag, lhs_shape, rhs_shape, match):
 
 
 def test_fp8_has_no_block_constraint():
+    # 3x5 @ 5x7: no dimension a multiple of 16, and still the product of the E4M3 operands.
+    x, w = _data((3, 5), 20), _data((5, 7), 21)
     dot = make_dot_general("te_fp8_currentscaling")
-    y = jax.jit(lambda a, b: dot(a, b, DIMS))(jnp.ones((3, 5)), jnp.ones((5, 7)))
-    assert y.shape == (3, 7)
+    y = jax.jit(lambda a, b: dot(a, b, DIMS, preferred_element_type=jnp.float32))(x, w)
+    x_hat, w_hat = (np.asarray(dequantize_fp8(quantize_fp8(a, np.float32(448) / np.float32(np.abs(_np(a)).max()), "e4m3")),
+                               np.float64) for a in (x, w))
+    np.testing.assert_allclose(np.asarray(y), x_hat @ w_hat, rtol=1e-6, atol=1e-6 * np.abs(x_hat @ w_hat).max())
+    assert _rel(x_hat @ w_hat, _np(x) @ _np(w)) > 1e-4  # the operands really were quantized
 
 
 def test_unknown_recipe():
