@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from backend_arithmetic import faithful_division, fma_contraction
-from nvfp4_spec import ref_quantize, tie_rich_data
+
+from nvfp4_jax.nvfp4_spec import ref_quantize, tie_rich_data
 
 
 def _ulps(got, want):

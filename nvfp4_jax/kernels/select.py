@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nvfp4_jax.bitwise import bit_diff
 from nvfp4_jax.config import QUANT_KERNELS
 from nvfp4_jax.quant import nvfp4
 from nvfp4_jax.quant.dot import NVFP4Backend
@@ -63,10 +64,40 @@ def self_check_data() -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
 
 
-def _bit_diff(a, b) -> int:
-    a, b = np.asarray(a), np.asarray(b)
-    unsigned = f"u{a.dtype.itemsize}"
-    return int((a.view(unsigned) != b.view(unsigned)).sum())
+@functools.lru_cache(maxsize=None)  # compiled once per copy set (and input shape and dtype)
+def _fused_jit(copies: tuple, tile, interpret: bool, fused: Callable):
+    kw = dict(interpret=interpret) if tile is None else dict(interpret=interpret, tile=tile)
+    return jax.jit(lambda x, keys: fused(x, list(copies), list(keys), **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_jit(kw_items: tuple, packed: bool):
+    fn = nvfp4.quantize_nvfp4 if packed else nvfp4.nvfp4_gemm_operand
+    return jax.jit(lambda x, key: fn(x, **dict(kw_items), key=key))
+
+
+def _storage(q) -> tuple:
+    return (q.codes, q.scales, q.amax)
+
+
+def kernels_vs_reference(x, copies, keys, *, interpret: bool, tile=None,
+                         fused: Callable = fused_quantize) -> list[int]:
+    """The kernels' one fused call for every `(Copy, reference kwargs)` in `copies` against the
+    jnp reference with the same kwargs and key: for each copy, how many elements' bits differ
+    (operand form: values and decode scale vs `nvfp4_gemm_operand`; packed form: codes, scale
+    bytes and amax vs `quantize_nvfp4`). `keys[i]` is copy i's SR key (None when not stochastic).
+
+    The one kernel-vs-reference comparison: the start-up self-check, the device checks and the
+    kernel tests all count with it (`nvfp4_jax.bitwise.bit_diff`: shapes and dtypes must match)."""
+    keys = [k if c.stochastic else None for (c, _), k in zip(copies, keys, strict=True)]
+    got = _fused_jit(tuple(c for c, _ in copies), tile, interpret, fused)(x, keys)
+    diffs = []
+    for (copy, kw), key, result in zip(copies, keys, got, strict=True):
+        want = _reference_jit(tuple(sorted(kw.items())), copy.packed)(x, key)
+        if copy.packed:
+            result, want = _storage(result), _storage(want)
+        diffs.append(bit_diff(result, want))
+    return diffs
 
 
 def self_check(*, interpret: bool = False, fused: Callable = fused_quantize) -> tuple[bool, str]:
@@ -76,15 +107,9 @@ def self_check(*, interpret: bool = False, fused: Callable = fused_quantize) -> 
     x = jnp.asarray(self_check_data(), jnp.bfloat16)
     key = jax.random.key(2024)
     try:
-        copies = [c for c, _ in SELF_CHECK_COPIES]
-        keys = [jax.random.fold_in(key, i) if c.stochastic else None for i, c in enumerate(copies)]
-        got = jax.jit(lambda x, *k: fused(x, copies, list(k), interpret=interpret))(x, *keys)
-        bad = []
-        for (copy, kw), k, result in zip(SELF_CHECK_COPIES, keys, got):
-            want = jax.jit(lambda x, k, kw=kw: nvfp4.nvfp4_gemm_operand(x, **kw, key=k))(x, k)
-            differ = sum(_bit_diff(a, b) for a, b in zip(result, want))
-            if differ:
-                bad.append(f"{kw}: {differ} values differ")
+        keys = [jax.random.fold_in(key, i) for i in range(len(SELF_CHECK_COPIES))]
+        diffs = kernels_vs_reference(x, SELF_CHECK_COPIES, keys, interpret=interpret, fused=fused)
+        bad = [f"{kw}: {d} values differ" for (_, kw), d in zip(SELF_CHECK_COPIES, diffs) if d]
     except Exception as exc:  # noqa: BLE001 - any failure means "do not use the kernels"
         return False, f"the kernels failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     if bad:

@@ -8,28 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from backend_arithmetic import faithful_division
+from bitwise import assert_same_bits
 from jax.experimental import pallas as pl
-from nvfp4_spec import spread_data
 
 from nvfp4_jax import kernels
 from nvfp4_jax.kernels import Copy, fused_quantize
 from nvfp4_jax.kernels.operand import kernel_copy
+from nvfp4_jax.nvfp4_spec import spread_data
 from nvfp4_jax.quant import nvfp4_gemm_operand, quantize_nvfp4
 
 KEYS = jax.random.split(jax.random.key(11), 2)
-
-
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-def assert_same_bits(got, want, what=""):
-    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
-        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=str(what))
 
 
 @pytest.mark.parametrize("shape,kw,blocks", [
@@ -108,7 +96,7 @@ def test_bad_arguments_raise_the_references_errors():
 def test_kernels_lower_to_triton(copies):
     # Lowering for CUDA runs the Pallas-to-Triton translation on any machine: every operation
     # in the kernels has a Triton lowering and every block shape is legal. (Compiling the
-    # Triton module needs a GPU: scripts/device_check.py.)
+    # Triton module needs a GPU: nvfp4_jax/device_check.py.)
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
     keys = [jax.ShapeDtypeStruct((), jax.random.key(0).dtype)] * len(copies)
     fn = jax.jit(lambda x, keys: fused_quantize(x, copies, [k if c.stochastic else None for c, k in zip(copies, keys)],

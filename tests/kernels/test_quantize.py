@@ -8,17 +8,14 @@ Interpreted kernels compile slowly (seconds per distinct call), so each compiled
 reused across datasets and seeds, and shapes are small but span several tiles.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from nvfp4_spec import spread_data, tie_rich_data
 
 from nvfp4_jax.kernels import Copy, fused_quantize
-from nvfp4_jax.kernels.select import SELF_CHECK_COPIES
-from nvfp4_jax.quant import nvfp4_gemm_operand, quantize_nvfp4
+from nvfp4_jax.kernels.select import SELF_CHECK_COPIES, kernels_vs_reference
+from nvfp4_jax.nvfp4_spec import spread_data, tie_rich_data
 
 pytestmark = pytest.mark.usefixtures("arithmetic")
 
@@ -38,43 +35,12 @@ PACKED_COPIES = (
 )
 
 
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-def assert_same_bits(got, want, what):
-    for name, g, w in zip(("first", "second", "third"), jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.shape == w.shape and g.dtype == w.dtype, (what, name, g.shape, w.shape, g.dtype, w.dtype)
-        differ = int((_bits(g) != _bits(w)).sum())
-        assert differ == 0, f"{what}: {differ} of {g.size} {name} leaves' elements differ"
-
-
-@functools.lru_cache(maxsize=None)
-def _fused(copies, tile):
-    """One jitted fused call per copy set (compiled once per input shape and dtype)."""
-    return jax.jit(lambda x, keys: fused_quantize(
-        x, copies, [k if c.stochastic else None for c, k in zip(copies, keys)], tile=tile, interpret=True,
-    ))
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(kw_items, packed):
-    fn = quantize_nvfp4 if packed else nvfp4_gemm_operand
-    return jax.jit(lambda x, key: fn(x, **dict(kw_items), key=key))
-
-
 def check_copies(x, copies, keys=None, skip=lambda copy: False):
     """Every copy by one fused kernel call against the reference, bit for bit (but `skip`)."""
     keys = list(jax.random.split(KEYS[0], len(copies))) if keys is None else keys
-    got = _fused(tuple(c for c, _ in copies), TILE)(x, keys)
-    for (copy, kw), key, result in zip(copies, keys, got):
-        if skip(copy):
-            continue
-        want = _reference(tuple(sorted(kw.items())), copy.packed)(x, key)
-        if copy.packed:
-            result, want = (result.codes, result.scales, result.amax), (want.codes, want.scales, want.amax)
-        assert_same_bits(result, want, f"{copy} on {x.dtype} data")
+    diffs = kernels_vs_reference(x, copies, keys, interpret=True, tile=TILE)
+    bad = {str(copy): d for (copy, _), d in zip(copies, diffs, strict=True) if d and not skip(copy)}
+    assert not bad, f"elements differing from the reference on {x.dtype} data: {bad}"
 
 
 def _nonfinite(seed, value):
@@ -130,7 +96,7 @@ def test_operand_copies_match_reference_on_bf16(data):
 def test_operand_copies_match_reference_on_f32(data):
     # XLA:CPU flushes float32 subnormals, and how it fuses (and contracts) the RHT butterfly
     # decides which partial sums flush: docs/numerics.md leaves the RHT of such data unpinned
-    # on a flushing backend (scripts/device_check.py checks it on a GPU, which does not flush).
+    # on a flushing backend (nvfp4_jax.device_check checks it on a GPU, which does not flush).
     x = F32_DATA[data](0)
     tiny_sums = bool(((np.abs(x) < np.finfo(np.float32).tiny * 2.0**12) & (x != 0)).any())
     for seed in range(2):
@@ -152,8 +118,9 @@ def test_sr_bits_follow_the_key():
     keys = list(jax.random.split(KEYS[1], len(OPERAND_COPIES)))
     check_copies(x, OPERAND_COPIES, keys)
     copies = tuple(c for c, _ in OPERAND_COPIES)
-    a = _fused(copies, TILE)(x, keys)
-    b = _fused(copies, TILE)(x, keys[1:] + keys[:1])
+    fused = jax.jit(lambda x, keys: fused_quantize(
+        x, copies, [k if c.stochastic else None for c, k in zip(copies, keys)], tile=TILE, interpret=True))
+    a, b = fused(x, keys), fused(x, keys[1:] + keys[:1])
     for (copy, _), (va, _), (vb, _) in zip(OPERAND_COPIES, a, b):
         changed = float(jnp.mean(va != vb))
         assert (0.05 < changed < 0.6) if copy.stochastic else changed == 0, (copy, changed)

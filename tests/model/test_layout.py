@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits as _assert_trees_bitwise
 
 from nvfp4_jax.config import load_config
 from nvfp4_jax.model import Llama, layer_blocks
@@ -47,13 +48,6 @@ def _stack_unrolled(tree, blocks):
         elif names:
             out[names[0]] = tree[names[0]]
     return out
-
-
-def _assert_trees_bitwise(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
 def test_layer_blocks_scan_the_quantized_middle_and_unroll_the_bf16_ends():
@@ -154,17 +148,21 @@ def _three_step_losses(cfg):
     return np.array(losses)
 
 
+# The bf16 roundings XLA elides differ with the fusions (module docstring): up to 1e-3 relative
+# on the first loss; FP8 and FP4 rounding amplify it by the third step (measured relative gaps:
+# bf16 4e-4, te_fp8_delayedscaling 2e-3, te_nvfp4 7e-3). Each recipe gets about twice its own.
+BF16_COMPUTE_RTOL = {"bf16": 1e-3, "te_fp8_delayedscaling": 5e-3, "te_nvfp4": 1.5e-2}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scanned_and_unrolled_train_alike_in_bf16(recipe):
+def test_scanned_and_unrolled_train_alike_with_bf16_compute(recipe):
     extra = (f"quantization={recipe}", "learning_rate=1e-3", "warmup_steps_fraction=0")
     scanned = _three_step_losses(_cfg(*extra, "scan_layers=true"))
     unrolled = _three_step_losses(_cfg(*extra, "scan_layers=false"))
     assert scanned[2] < scanned[0] - 1.0  # it trains
-    # The bf16 roundings XLA elides differ with the fusions (module docstring): up to 1e-3
-    # relative on the first loss; FP4 rounding amplifies it (measured: bf16 4e-4, te_fp8 2e-3,
-    # te_nvfp4 7e-3 relative by the third step).
-    np.testing.assert_allclose(scanned, unrolled, rtol=1.5e-2)
+    np.testing.assert_allclose(scanned[0], unrolled[0], rtol=1e-3)
+    np.testing.assert_allclose(scanned, unrolled, rtol=BF16_COMPUTE_RTOL[recipe])
 
 
 @pytest.mark.slow

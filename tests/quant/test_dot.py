@@ -12,6 +12,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits
 from jax import lax
 
 from nvfp4_jax.quant import (
@@ -81,8 +82,7 @@ def test_bf16_is_exactly_lax_dot_general(flag):
     dims = (((2,), (1,)), ((0,), (0,)))
     ours = jax.jit(jax.value_and_grad(lambda x, w: make_dot_general(flag)(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
     ref = jax.jit(jax.value_and_grad(lambda x, w: lax.dot_general(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
-    for a, b in zip(jax.tree.leaves(ours(x, w)), jax.tree.leaves(ref(x, w))):
-        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(ours(x, w), ref(x, w))
 
 
 # --- FPROP ------------------------------------------------------------------------------------
@@ -373,13 +373,15 @@ def _mlp_loss(params, x, t, dot1, dot2, scale):
 
 
 def test_mlp_gradients_close_to_fp32_at_any_scale():
-    """te_nvfp4 gradients of a 2-layer MLP vs fp32 gradients, at loss scale 1 and 1e-6.
+    """te_nvfp4 gradients of a 2-layer MLP vs fp32 gradients, at loss scale 1 and 2**-20.
 
-    Stated tolerance: 35% relative Frobenius error per weight gradient. Two chained NVFP4
-    GEMMs on tiny Gaussian tensors land near 21-28% (the RN ablation near 21-24%; bf16 0.4%).
-    At loss scale 1e-6 the gradients are ~1e-9: the per-tensor scale keeps them representable,
-    so they are never all zero (the failure of single-level scaling) and no less accurate
-    (relative errors within 0.05 of the scale-1 run).
+    Two-level scaling makes the recipe scale-invariant: at loss scale 2**-20 (gradients ~1e-9)
+    the per-tensor scale absorbs the power of two, so every block scale, code and SR draw is
+    the scale-1 run's and the gradients are exactly 2**-20 times its gradients, bit for bit
+    (single-level E4M3 scaling would underflow them). Against fp32, stated band: 15-32%
+    relative Frobenius error per weight gradient (measured: te_nvfp4 0.27 / 0.22 over three
+    keys, nvfp4_no_sr 0.24 / 0.21, mxfp4 0.28 / 0.26), which an FP8 GEMM (0.09 / 0.07) or a
+    bf16 one (0.003) would fall below: the dots really are FP4.
     """
     x, t = _data((64, 64), 10), _data((64, 32), 11)
     params = {"w1": _data((64, 128), 12, scale=0.125), "w2": _data((128, 32), 13, scale=0.09)}
@@ -387,17 +389,14 @@ def test_mlp_gradients_close_to_fp32_at_any_scale():
     keys = jax.random.split(KEY, 2)
     dots = make_dot_general("te_nvfp4", keys[0]), make_dot_general("te_nvfp4", keys[1])
     grad = jax.jit(jax.grad(_mlp_loss), static_argnums=(3, 4))
-    errs = {}
-    for scale in (1.0, 1e-6):
-        fp32 = grad(params, x, t, f32_dot, f32_dot, scale)
-        ours = grad(params, x, t, *dots, scale)
-        for name in params:
-            got = np.asarray(ours[name])
-            assert np.count_nonzero(got) > 0.9 * got.size, (scale, name)
-            errs[scale, name] = _rel(got, fp32[name])
-            assert errs[scale, name] < 0.35, (scale, name, errs[scale, name])
+    fp32 = grad(params, x, t, f32_dot, f32_dot, 1.0)
+    ours = grad(params, x, t, *dots, 1.0)
+    tiny = grad(params, x, t, *dots, 2.0**-20)
+    assert_same_bits(jax.tree.map(lambda g: g * np.float32(2.0**20), tiny), ours)
     for name in params:
-        assert abs(errs[1e-6, name] - errs[1.0, name]) < 0.05, errs
+        assert np.count_nonzero(np.asarray(tiny[name])) > 0.9 * tiny[name].size, name
+        err = _rel(ours[name], fp32[name])
+        assert 0.15 < err < 0.32, (name, err)
 
 
 # --- FP8 and MXFP4 operands -------------------------------------------------------------------
@@ -484,9 +483,14 @@ def test_indivisible_sizes(flag, lhs_shape, rhs_shape, match):
 
 
 def test_fp8_has_no_block_constraint():
+    # 3x5 @ 5x7: no dimension a multiple of 16, and still the product of the E4M3 operands.
+    x, w = _data((3, 5), 20), _data((5, 7), 21)
     dot = make_dot_general("te_fp8_currentscaling")
-    y = jax.jit(lambda a, b: dot(a, b, DIMS))(jnp.ones((3, 5)), jnp.ones((5, 7)))
-    assert y.shape == (3, 7)
+    y = jax.jit(lambda a, b: dot(a, b, DIMS, preferred_element_type=jnp.float32))(x, w)
+    x_hat, w_hat = (np.asarray(dequantize_fp8(quantize_fp8(a, np.float32(448) / np.float32(np.abs(_np(a)).max()), "e4m3")),
+                               np.float64) for a in (x, w))
+    np.testing.assert_allclose(np.asarray(y), x_hat @ w_hat, rtol=1e-6, atol=1e-6 * np.abs(x_hat @ w_hat).max())
+    assert _rel(x_hat @ w_hat, _np(x) @ _np(w)) > 1e-4  # the operands really were quantized
 
 
 def test_unknown_recipe():

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_same_bits
 from jax import lax
 
 from nvfp4_jax.quant import init_fp8_meta
@@ -73,8 +74,7 @@ def test_bf16_factory_is_none_and_module_is_bitwise_lax(x):
     variables = _init_params(x)
     ref = _grads_jit(ref_model, variables, x, {})
     ours = _grads_jit(TwoLayers(functools.partial(QuantDotGeneral, recipe="bf16")), variables, x, {})
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(ours)):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(ours, ref)
 
 
 def test_nvfp4_module_submodules_keys_and_reproducibility(x):
@@ -88,8 +88,7 @@ def test_nvfp4_module_submodules_keys_and_reproducibility(x):
     y2, dp2, dx2 = _grads_jit(model, variables, x, quant_rngs(jax.random.PRNGKey(8)))
     # Same step key: identical; another step key: the forward (round-to-nearest) is unchanged,
     # the stochastically rounded gradients are not.
-    for a, b in zip(jax.tree.leaves((y1, dp1, dx1)), jax.tree.leaves((y1b, dp1b, dx1b))):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits((y1b, dp1b, dx1b), (y1, dp1, dx1))
     assert np.array_equal(np.asarray(y1), np.asarray(y2))
     assert not np.array_equal(np.asarray(dx1), np.asarray(dx2))
     assert not np.array_equal(np.asarray(dp1["kernel_0"]), np.asarray(dp2["kernel_0"]))

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nvfp4_jax.nvfp4_spec import ref_rht_last_axis
 from nvfp4_jax.quant import (
     dequantize,
     hadamard_matrix,
@@ -13,7 +14,6 @@ from nvfp4_jax.quant import (
     quantize_nvfp4,
 )
 from nvfp4_jax.quant import random_hadamard_transform as rht
-from nvfp4_spec import ref_rht_last_axis
 
 # Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
 pytestmark = pytest.mark.usefixtures("arithmetic")

@@ -1,5 +1,5 @@
 """NVFP4 quantizer against hand-derived vectors and a float32/float64 numpy transcription of
-NVFP4_SPEC.md (tests/nvfp4_spec.py, written independently of the implementation), plus
+NVFP4_SPEC.md (nvfp4_jax/nvfp4_spec.py, written independently of the implementation), plus
 properties. Every test runs under IEEE and under GPU-legal float32 arithmetic."""
 
 import jax
@@ -8,11 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
-from nvfp4_spec import (
+
+from nvfp4_jax.nvfp4_spec import (
     GRID, TIES, f32, ref_dequantize, ref_quantize, ref_rht_last_axis, spread_data, tie_rich_data,
 )
-
-from nvfp4_jax.quant.formats import stochastic_rounding_bits
 from nvfp4_jax.quant import (
     NVFP4Tensor,
     dequantize,
@@ -21,6 +20,7 @@ from nvfp4_jax.quant import (
     random_hadamard_transform,
     unpack_codes,
 )
+from nvfp4_jax.quant.formats import stochastic_rounding_bits
 
 # Every test runs under IEEE and under GPU-legal float32 arithmetic (tests/quant/conftest.py).
 pytestmark = pytest.mark.usefixtures("arithmetic")

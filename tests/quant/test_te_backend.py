@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import enum
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -282,3 +283,60 @@ def test_init_train_and_eval_run_under_tes_mesh_resource(fake_te):
     assert fake.mesh_resource is None  # and nothing leaks out of the steps
     with pytest.raises(AssertionError, match="Global mesh resource"):  # without build's scope
         model.init({"params": jax.random.PRNGKey(0), **quant_rngs(jax.random.PRNGKey(1))}, tokens)
+
+
+# --- the fake against real TE, where TE is importable (the GPU container) ----------------------
+
+
+def _fake_vs_real(fake_modules, real_modules) -> list[str]:
+    """What the fake has that the real TE modules lack or spell differently: every name, every
+    recipe field (and its default), every Format member, and every call the fake accepts must
+    be accepted by TE's own signature."""
+    problems = []
+    for part, ns in fake_modules.items():
+        for name, obj in vars(ns).items():
+            if name.startswith("__"):
+                continue
+            if not hasattr(real_modules[part], name):
+                problems.append(f"{part}.{name} missing")
+                continue
+            real = getattr(real_modules[part], name)
+            if isinstance(obj, type) and issubclass(obj, enum.Enum):
+                problems += [f"{part}.{name}.{m.name} missing" for m in obj if not hasattr(real, m.name)]
+            elif dataclasses.is_dataclass(obj):
+                params = inspect.signature(real).parameters
+                for field in dataclasses.fields(obj):
+                    if field.name not in params:
+                        problems.append(f"{part}.{name}({field.name}=) not accepted")
+                        continue
+                    got, want = params[field.name].default, field.default
+                    if got is not inspect.Parameter.empty and getattr(got, "name", got) != getattr(want, "name", want):
+                        problems.append(f"{part}.{name}.{field.name} defaults to {got!r}, the fake to {want!r}")
+            elif callable(obj):
+                required = [p for p in inspect.signature(obj).parameters.values()
+                            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+                try:
+                    inspect.signature(real).bind(*[None] * len(required))
+                except TypeError as exc:
+                    problems.append(f"{part}.{name}({len(required)} positional): {exc}")
+    return problems
+
+
+def test_fake_vs_real_comparison_finds_a_renamed_field_and_a_missing_name():
+    fake, other = FakeTE(), FakeTE()
+    assert _fake_vs_real(fake.modules, other.modules) == []
+    renamed = dataclasses.make_dataclass("NVFP4BlockScaling", [("disable_rht", bool, False),
+                                                               ("disable_sr", bool, False),
+                                                               ("disable_2d_quantization", bool, False)])
+    other.modules["recipe"] = types.SimpleNamespace(**dict(vars(other.recipe), NVFP4BlockScaling=renamed))
+    del other.modules["sharding"].global_shard_guard
+    assert _fake_vs_real(fake.modules, other.modules) == [
+        "recipe.NVFP4BlockScaling(disable_stochastic_rounding=) not accepted",
+        "sharding.global_shard_guard missing",
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                    reason="Transformer Engine is not installed (the GPU container has it)")
+def test_the_fake_has_real_tes_names_fields_and_signatures():
+    assert _fake_vs_real(FakeTE().modules, te_backend._import_te()) == []

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from _helpers import Training, flip_bytes_in_largest_file, train_losses
+from bitwise import assert_same_bits
+
 from nvfp4_jax.train import checkpoint
 from nvfp4_jax.train.state import TrainState
 
@@ -34,9 +35,7 @@ def _abstract(state):
 
 
 def _assert_same(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        assert x.dtype == y.dtype
+    assert_same_bits(a, b)
 
 
 def test_round_trip_is_exact_and_verified(tmp_path):

@@ -377,12 +377,18 @@ SMALL_PRESETS = [p for p in sorted(glob.glob(os.path.join(REPO, "recipes", "conf
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", SMALL_PRESETS, ids=os.path.basename)
-def test_small_recipe_yamls_train_two_steps(tmp_path, path):
-    cfg = load_config([path, "steps=2", "eval_steps=1", f"base_output_directory={tmp_path}", "run_name=yaml",
-                       "ici_fsdp_parallelism=1", "checkpoint_period=2"])
+def test_small_recipe_yamls_train_one_step(tmp_path, path):
+    # A smoke run: the preset builds, steps, evaluates and checkpoints (a second step adds
+    # nothing). One step from init leaves the loss near ln(vocab) (5.55 for bytes; measured:
+    # tiny 6.18 at step 1; tiny 5.96, small-25m 6.00 at init, bf16): far above it means a
+    # broken init or loss, below it a model that has seen its targets (one step learns little).
+    cfg = load_config([path, "steps=1", "eval_steps=1", f"base_output_directory={tmp_path}", "run_name=yaml",
+                       "ici_fsdp_parallelism=1", "checkpoint_period=1"])
     summary = run(cfg, progress=False, devices=ONE_DEVICE)
-    assert summary["last_checkpoint_step"] == 2
-    assert summary["final_train_loss"] < 7 and summary["final_eval_loss"] < 7
+    assert summary["last_checkpoint_step"] == 1
+    uniform = np.log(cfg.model.vocab_size)
+    for name in ("first_train_loss", "final_eval_loss"):
+        assert uniform - 0.5 < summary[name] < uniform + 1.0, (name, summary[name], uniform)
 
 
 def _cli(tmp_path, *args, **env):

@@ -2,7 +2,8 @@
 
 Written from the spec, independently of `nvfp4_jax.quant`: numpy's float32 is IEEE 754 with
 correctly rounded division and no flushing of subnormals, so it is the reference every backend
-must match. Shared by the quantizer tests and the kernel tests.
+must match. Shared by the quantizer and kernel tests and the device checks
+(`nvfp4_jax.device_check`); not used by the package's numerics.
 """
 
 from __future__ import annotations

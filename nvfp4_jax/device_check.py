@@ -1,11 +1,13 @@
 """One-call numerics check on whatever accelerator JAX finds: same bits as the CPU, and the spec.
 
-    PYTHONPATH=$PWD python3 scripts/device_check.py [--out DIR] [--quick]
+    python -m nvfp4_jax.device_check [--out DIR] [--quick] [--skip-kernels]
 
-(`scripts/device_check.sh` runs it.) Every check runs the same jitted function on the
-accelerator and on the CPU device of this process and compares the results bit for bit; the
-quantizer checks also compare with the numpy transcription of NVFP4_SPEC.md (tests/nvfp4_spec.py,
-IEEE float32 without flushing). One line per check, then a JSON report in DIR (default: $OUT,
+(`scripts/device_check.sh` runs it; tests/test_device_check.py runs its checks on CPU.) Every
+check runs the same jitted function on the accelerator and on the CPU device of this process and
+compares the results bit for bit (`nvfp4_jax.bitwise`); the quantizer checks also compare with
+the numpy transcription of NVFP4_SPEC.md (`nvfp4_jax.nvfp4_spec`, IEEE float32 without
+flushing), and the kernel checks use the kernels' own self-check comparison
+(`nvfp4_jax.kernels.select.kernels_vs_reference`). One line per check, then a JSON report in DIR (default: $OUT,
 else benchmarks/results/gpu/). Exit code 1 if any check fails.
 
 Where the accelerator and the CPU may legitimately differ, the check says which side must match
@@ -18,6 +20,7 @@ accumulation-order tolerance; their operands bitwise.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -26,46 +29,39 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from nvfp4_spec import ref_quantize, ref_rht_last_axis, spread_data, tie_rich_data  # noqa: E402
-
-from nvfp4_jax.quant import (  # noqa: E402
+from nvfp4_jax import kernels
+from nvfp4_jax.bitwise import bit_diff
+from nvfp4_jax.kernels.select import SELF_CHECK_COPIES, kernels_vs_reference
+from nvfp4_jax.nvfp4_spec import ref_quantize, ref_rht_last_axis, spread_data, tie_rich_data
+from nvfp4_jax.quant import (
     dequantize,
     exact,
+    fp8_delayed,
     make_backend,
     make_dot_general,
-    probe_scaled_matmul,
-    scaled_matmul_reference,
-    xla_operand,
     nvfp4_gemm_operand,
+    probe_scaled_matmul,
     quantize_fp8,
     quantize_mxfp4,
     quantize_nvfp4,
+    scaled_matmul_reference,
     unpack_codes,
+    xla_operand,
 )
-from nvfp4_jax import kernels  # noqa: E402
-from nvfp4_jax.kernels.select import SELF_CHECK_COPIES  # noqa: E402
-from nvfp4_jax.quant import fp8_delayed  # noqa: E402
-from nvfp4_jax.quant.formats import stochastic_rounding_bits  # noqa: E402
-
-CPU = jax.devices("cpu")[0]
-ACCEL = jax.devices()[0]
+from nvfp4_jax.quant.formats import stochastic_rounding_bits
 
 
 # --- running one function on both devices -------------------------------------------------------
 
 
-def _leaves(tree) -> list[np.ndarray]:
-    out = []
-    for leaf in jax.tree.leaves(tree):
-        a = np.asarray(leaf)
-        out.append(a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" or "float" in str(a.dtype) else a)
-    return out
+@functools.lru_cache(maxsize=None)
+def devices() -> tuple:
+    """(accelerator, CPU): the default device and this process's CPU (the same on a CPU host)."""
+    return jax.devices()[0], jax.devices("cpu")[0]
 
 
 def on_device(fn, device, *args):
@@ -75,12 +71,8 @@ def on_device(fn, device, *args):
 
 
 def on_both(fn, *args):
-    return on_device(fn, ACCEL, *args), on_device(fn, CPU, *args)
-
-
-def bit_diff(a, b) -> int:
-    """Number of elements whose bits differ between two pytrees of arrays."""
-    return sum(int((x != y).sum()) for x, y in zip(_leaves(a), _leaves(b)))
+    accel, cpu = devices()
+    return on_device(fn, accel, *args), on_device(fn, cpu, *args)
 
 
 def _q_summary(q):
@@ -263,7 +255,8 @@ def check_xla_gemm(recipe, quick):
     """The xla backend (real jax.nn.scaled_matmul) against the emulated one on the accelerator:
     every operand it hands scaled_matmul bitwise the emulated operand, outputs and gradients
     within fp32 accumulation order (bf16 rounding for bf16 results)."""
-    probe = probe_scaled_matmul(ACCEL)
+    accel = devices()[0]
+    probe = probe_scaled_matmul(accel)
     # Where it does not lower (CPU dry run), the check runs its logic on the jnp stand-in.
     scaled_matmul = jax.nn.scaled_matmul if probe.lowers else scaled_matmul_reference
     t, k, n = (64, 128, 96) if quick else (512, 1024, 768)
@@ -291,8 +284,8 @@ def check_xla_gemm(recipe, quick):
             ops[name] = (deq, want.T if kw["axis"] == 0 else want)
         return outs, ops
 
-    with jax.default_device(ACCEL):
-        (got, want), ops = jax.device_get(jax.jit(fn)(*jax.device_put((x, w, g, keys[3]), ACCEL)))
+    with jax.default_device(accel):
+        (got, want), ops = jax.device_get(jax.jit(fn)(*jax.device_put((x, w, g, keys[3]), accel)))
     worst = 0.0
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -303,6 +296,13 @@ def check_xla_gemm(recipe, quick):
     return ops_diff == 0 and worst < 2.0**-8, detail
 
 
+# The dY pair in its storage form (packed codes), beside the operand copies.
+PACKED_DY_PAIR = (
+    (kernels.Copy("rows", stochastic=True, packed=True), dict(axis=1, stochastic=True)),
+    (kernels.Copy("cols", rht=True, stochastic=True, packed=True), dict(axis=0, rht=True, stochastic=True)),
+)
+
+
 def check_kernels(name, x, key):
     """The Pallas kernels (Triton on a GPU; interpreted on the CPU) against the jnp reference on
     the same device, bit for bit: every GEMM-operand copy in one fused call, and the packed form
@@ -310,41 +310,26 @@ def check_kernels(name, x, key):
     data with float32 subnormals the CPU (which flushes them) is exempt for RHT copies
     (docs/numerics.md). Non-finite data is not in `datasets`; the interpreted tests cover it."""
     xin = jnp.asarray(x, jnp.bfloat16 if _is_bf16(name) else jnp.float32)
-    copies = [c for c, _ in SELF_CHECK_COPIES]
+    copies = list(SELF_CHECK_COPIES) + list(PACKED_DY_PAIR)
     keys = [jax.random.fold_in(key, i) for i in range(len(copies))]
-    packed = [kernels.Copy("rows", stochastic=True, packed=True),
-              kernels.Copy("cols", rht=True, stochastic=True, packed=True)]
-
-    def fn(a, interpret):
-        got = kernels.fused_quantize(a, copies, [k if c.stochastic else None for c, k in zip(copies, keys)],
-                                     interpret=interpret)
-        want = [nvfp4_gemm_operand(a, **kw, key=k) for (_, kw), k in zip(SELF_CHECK_COPIES, keys)]
-        pk = kernels.fused_quantize(a, packed, keys[:2], interpret=interpret)
-        pw = [quantize_nvfp4(a, axis=1, stochastic=True, key=keys[0]),
-              quantize_nvfp4(a, axis=0, rht=True, stochastic=True, key=keys[1])]
-        return got, want, [(q.codes, q.scales, q.amax) for q in pk], [(q.codes, q.scales, q.amax) for q in pw]
-
     x32 = np.asarray(xin.astype(jnp.float32))
     tiny_sums = bool(((np.abs(x32) < np.finfo(np.float32).tiny * 2.0**12) & (x32 != 0)).any())
     detail, ok = {}, True
-    for side, device in (("accel", ACCEL), ("cpu", CPU)):
-        interpret = device.platform != "gpu"
-        got, want, pk, pw = on_device(lambda a: fn(a, interpret), device, xin)
+    for side, device in zip(("accel", "cpu"), devices()):
+        with jax.default_device(device):
+            diffs = kernels_vs_reference(jax.device_put(xin, device), copies, keys,
+                                         interpret=device.platform != "gpu")
         exempt = tiny_sums and device.platform == "cpu"
-        for (copy, kw), g, w in zip(SELF_CHECK_COPIES, got, want):
-            d = bit_diff(g, w)
-            detail[f"{side} {kw}"] = d
-            ok &= d == 0 or (exempt and copy.rht)
-        d = bit_diff(pk, pw)
-        detail[f"{side} packed dY pair"] = d
-        ok &= d == 0 or exempt
+        for (copy, kw), d in zip(copies, diffs):
+            detail[f"{side} {'packed ' if copy.packed else ''}{kw}"] = d
+            ok &= d == 0 or (exempt and (copy.rht or copy.packed))
     return ok, detail
 
 
 def check_kernel_selection():
     """What `quant_kernels=auto` picks on this machine, and the start-up self-check's verdict."""
     choice = kernels.operand_kernels("auto")
-    ok, message = kernels.self_check(interpret=ACCEL.platform != "gpu")
+    ok, message = kernels.self_check(interpret=devices()[0].platform != "gpu")
     return ok, dict(auto=choice.name, reason=choice.reason, self_check=message)
 
 
@@ -357,12 +342,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller tensors (for a CPU dry run)")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out the Pallas kernel checks")
     args = ap.parse_args(argv)
-    out_dir = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu")
+    out_dir = args.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu")
+    accel, cpu = devices()
 
-    accel_flushes = bool(on_device(lambda v: v * np.float32(2.0**30), ACCEL, np.float32(1e-40)) == 0)
-    header = (f"device_check: accelerator {ACCEL} ({ACCEL.platform}), CPU {CPU}; jax {jax.__version__}; "
+    accel_flushes = bool(on_device(lambda v: v * np.float32(2.0**30), accel, np.float32(1e-40)) == 0)
+    header = (f"device_check: accelerator {accel} ({accel.platform}), CPU {cpu}; jax {jax.__version__}; "
               f"accelerator flushes float32 subnormals: {accel_flushes}")
-    if ACCEL.platform == "cpu":
+    if accel.platform == "cpu":
         header += " (no accelerator found: the CPU is compared with itself and with the spec)"
     print(header, flush=True)
 
@@ -403,8 +389,8 @@ def main(argv=None) -> int:
 
     failed = [r["check"] for r in results if not r["ok"]]
     report = dict(
-        accelerator=str(ACCEL), platform=ACCEL.platform,
-        device_kind=getattr(ACCEL, "device_kind", ""), jax=jax.__version__,
+        accelerator=str(accel), platform=accel.platform,
+        device_kind=getattr(accel, "device_kind", ""), jax=jax.__version__,
         machine=platform.machine(), accelerator_flushes_subnormals=accel_flushes,
         passed=len(results) - len(failed), failed=len(failed), checks=results,
     )
