@@ -12,11 +12,14 @@ bit-identical to one-device runs, so TE is used only when asked for by name. `au
 `xla` where XLA only rewrites `scaled_matmul` into dequantize-then-dot (Hopper and older): that
 has no FP4 tensor cores and nothing to gain over the emulated GEMM.
 
-The choice is made once, at start-up, from the config (`choose_backend`), and printed
-(`BackendChoice.line`). `make_backend` turns it into what `QuantDotGeneral(nvfp4_backend=...)`
-takes. The GEMM and the operand quantizer are separate choices: `make_backend(name, operand=...)`
-pairs a backend's GEMM with any quantizer that returns that GEMM's operand form
-(`(bf16 values, decode scale)` for emulated, `BlockScaledOperand` for xla).
+One function, `resolve_backend`, turns the config's `quantization`, `quantization_backend` and
+`quant_kernels` into the `Backend` a run uses: its name and reason (`choose_backend`), and the
+executor that runs the dots: an `NVFP4Backend` (operand quantizer, paired-operand quantizer,
+GEMM) or `te_backend.TE`, which replaces the whole dot. It is decided once at start-up, printed
+once (`Backend.lines`), held by the model builder and passed down (`Backend.dot_general_factory`,
+`Backend.scope`). `make_backend(name, operand=...)` pairs a backend's GEMM with any quantizer
+that returns that GEMM's operand form (`(bf16 values, decode scale)` for emulated,
+`BlockScaledOperand` for xla).
 """
 
 from __future__ import annotations
@@ -28,9 +31,8 @@ import jax
 
 from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
 from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm
-from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
-
-BACKENDS = ("auto", "emulated", "xla", "te")
+from nvfp4_jax.quant.flax_dot import dot_general_factory as _factory
+from nvfp4_jax.quant.recipe import BACKENDS, Recipe, get_recipe, recipe_name
 _AUTO_AND_TE = "auto never picks te (quantization_backend=te asks for Transformer Engine)"
 
 
@@ -109,12 +111,65 @@ def make_backend(
         return EMULATED if operand is None else NVFP4Backend("emulated", operand, emulated_gemm)
     if name == "xla":
         gemm = xla_backend.ScaledMatmulGemm(scaled_matmul)
-        return NVFP4Backend("xla", operand or xla_backend.xla_operand, gemm)
+        return NVFP4Backend("xla", operand or xla_backend.block_scaled_operand, gemm)
     if name == "te":
         if operand is not None:
             raise ValueError("quantization_backend=te: Transformer Engine quantizes its own operands")
         return te_backend.TE
     raise ValueError(f"no backend {name!r}; make_backend takes one of {list(BACKENDS[1:])}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What start-up resolved from the config: which backend runs the quantized dots and why,
+    and the executor that does it (an `NVFP4Backend` or `te_backend.TE`, which replaces the whole
+    dot). `operands` says who quantizes NVFP4 operands (None when no NVFP4 recipe runs)."""
+
+    name: str
+    reason: str
+    executor: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
+    operands: Optional[str] = None
+
+    @property
+    def line(self) -> str:
+        """The start-up line."""
+        return f"quantization backend: {self.name} ({self.reason})"
+
+    def dot_general_factory(self, recipe: Union[Recipe, str], *, quant_stats: bool = False):
+        """The model's factory of quantized dots for `recipe` on this backend (None for bf16)."""
+        return _factory(recipe, self.executor, quant_stats=quant_stats)
+
+    def scope(self):
+        """What tracing and compiling a model on this backend needs around it."""
+        return self.executor.scope()
+
+
+def resolve_backend(
+    requested: str,
+    recipe: Union[Recipe, str],
+    quant_kernels: str = "jnp",
+    *,
+    probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
+    check_te: Optional[Callable[[Recipe], str]] = None,
+) -> Backend:
+    """The backend of `quantization_backend=requested`, `quantization=recipe` and
+    `quant_kernels` on this process's devices: the one decision about how the GEMMs run.
+
+    Raises as `choose_backend` does for a backend that cannot run here.
+    """
+    from nvfp4_jax.kernels import select  # the kernels are optional; imported only here
+
+    recipe = get_recipe(recipe)
+    choice = choose_backend(requested, recipe, probe=probe, check_te=check_te)
+    executor = make_backend(choice.name)
+    if recipe.format != "nvfp4":
+        return Backend(choice.name, choice.reason, executor)
+    if choice.name != "emulated":
+        return Backend(choice.name, choice.reason, executor,
+                       f"jnp (the {choice.name} backend quantizes its own operands)")
+    kernels = select.operand_kernels(quant_kernels)
+    return Backend(choice.name, choice.reason, select.with_operand_kernels(executor, kernels),
+                   f"{kernels.name} ({kernels.reason})")
 
 
 def _state_collection(recipe: Recipe, backend: str) -> Optional[str]:

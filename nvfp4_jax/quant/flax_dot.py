@@ -27,7 +27,7 @@ pass through each layer: with gradient accumulation keep the last micro-batch's,
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Callable, Optional, Union
 
 import flax.linen as nn
@@ -69,7 +69,7 @@ class QuantDotGeneral(nn.Module):
                 lhs, rhs, dimension_numbers, precision=precision,
                 preferred_element_type=preferred_element_type,
             )
-        if isinstance(self.nvfp4_backend, te_backend.TEBackend):
+        if self.nvfp4_backend.replaces_dot:
             if self.quant_stats:
                 raise ValueError(
                     f"QuantDotGeneral({recipe_name(recipe)}): quant_stats=true needs "
@@ -122,12 +122,30 @@ class QuantDotGeneral(nn.Module):
         return {op: self.variable(health.COLLECTION, op, lambda z=z: z).value for op, z in zeros.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class DotFactory:
+    """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend, quant_stats)`: what a
+    model is handed, and what tracing it needs around it (`scope`)."""
+
+    recipe: Recipe
+    nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
+    quant_stats: bool = False
+
+    def __call__(self, **kwargs) -> QuantDotGeneral:
+        return QuantDotGeneral(recipe=self.recipe, nvfp4_backend=self.nvfp4_backend,
+                               quant_stats=self.quant_stats, **kwargs)
+
+    def scope(self):
+        """The backend's context for tracing and compiling (TE's MeshResource; else none)."""
+        return self.nvfp4_backend.scope()
+
+
 def dot_general_factory(
     recipe: Union[Recipe, str],
     nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED,
     *,
     quant_stats: bool = False,
-) -> Optional[Callable[[], QuantDotGeneral]]:
+) -> Optional[DotFactory]:
     """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend, quant_stats)`, or None
     for bf16.
 
@@ -136,9 +154,7 @@ def dot_general_factory(
     recipe = get_recipe(recipe)
     if recipe.is_bf16:
         return None
-    return functools.partial(
-        QuantDotGeneral, recipe=recipe, nvfp4_backend=nvfp4_backend, quant_stats=quant_stats
-    )
+    return DotFactory(recipe, nvfp4_backend, quant_stats)
 
 
 def quant_rngs(key: jax.Array) -> dict:
