@@ -200,6 +200,7 @@ def _write_copy(tile, copy, scal_ref, table_ref, outs, noise):
     byte, s_b, enc_b = _block_factors(amax_b, scal_ref, table_ref)
     rbits = noise.rows(0, bt, 1).reshape(lay.blocked) if copy.stochastic else None
     codes = _element_codes(xb, enc_b, rbits)
+    codes = jnp.where(scal_ref[_NONFINITE] != 0, nvfp4.NONFINITE_CODE, codes)  # as the reference
     if copy.packed:
         outs[0][...] = _pack_pairs(codes.reshape(bt, bn), axis)
         outs[1][...] = byte.reshape(outs[1].shape)

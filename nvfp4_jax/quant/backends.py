@@ -25,9 +25,10 @@ that returns that GEMM's operand form (`(bf16 values, decode scale)` for emulate
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
+import numpy as np
 
 from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
 from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm
@@ -55,13 +56,20 @@ def choose_backend(
     *,
     probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
     check_te: Optional[Callable[[Recipe], str]] = None,
+    allow_xla_fallback: bool = False,
+    gather: Optional[Callable[[int], Sequence[int]]] = None,
 ) -> BackendChoice:
-    """Resolve `quantization_backend=requested` for `recipe` on this process's devices.
+    """Resolve `quantization_backend=requested` for `recipe` on this process's local devices,
+    in agreement with every other process of the run.
 
-    `probe` (default `xla_backend.probe_scaled_matmul`) compiles a tiny `scaled_matmul`;
-    `check_te` (default `te_backend.check_te`) returns TE's version or raises. Both are
-    parameters for tests. An explicit backend that cannot run here raises (ValueError, or
-    TEUnavailableError for te) with the reason; `auto` always resolves.
+    `probe` (default `xla_backend.probe_scaled_matmul`) compiles a tiny `scaled_matmul` on the
+    first local device; `gather` (default `process_allgather_int`) shares its outcome across
+    processes, and all of them then decide from the weakest outcome, so every process ends with
+    the same backend. `check_te` (default `te_backend.check_te`) returns TE's version or raises.
+    All three are parameters for tests. An explicit backend that cannot run here raises
+    (ValueError, or TEUnavailableError for te) with the reason; `auto` always resolves.
+    `allow_xla_fallback` accepts an explicit `xla` where XLA only rewrites `scaled_matmul` into
+    dequantize-then-dot (no FP4 tensor cores: slower than emulated); without it that is an error.
     """
     if requested not in BACKENDS:
         raise ValueError(f"quantization_backend={requested!r}; choose one of {list(BACKENDS)}")
@@ -81,18 +89,64 @@ def choose_backend(
                 f"quantization_backend=xla runs NVFP4 recipes through jax.nn.scaled_matmul; "
                 f"quantization={name} is {recipe.format}: use quantization_backend=auto or emulated"
             )
-        result = probe()
+        result = agreed_probe(probe(), gather or process_allgather_int)
         if not result.lowers:
             raise ValueError(
                 f"quantization_backend=xla: jax.nn.scaled_matmul {result.detail}; use "
                 "quantization_backend=auto or emulated"
             )
+        if not result.fused and not allow_xla_fallback:
+            raise ValueError(
+                f"quantization_backend=xla: jax.nn.scaled_matmul {result.detail}, slower than "
+                "quantization_backend=emulated (same numerics); use emulated, or "
+                "xla_dequantize_fallback=true to run the rewrite anyway"
+            )
         return BackendChoice("xla", f"asked for: jax.nn.scaled_matmul {result.detail}")
     if recipe.format != "nvfp4":
         return BackendChoice("emulated", f"auto: {name} is {recipe.format}, the xla backend covers NVFP4 only; {_AUTO_AND_TE}")
-    result = probe()
+    result = agreed_probe(probe(), gather or process_allgather_int)
     return BackendChoice("xla" if result.fused else "emulated",
                          f"auto: jax.nn.scaled_matmul {result.detail}; {_AUTO_AND_TE}")
+
+
+# A probe's outcome as one int every process can share: the smallest is the weakest.
+_ABSENT, _REWRITTEN, _FUSED = 0, 1, 2
+_OUTCOME_WORDS = {_ABSENT: "does not lower", _REWRITTEN: "lowers only as dequantize-then-dot",
+                  _FUSED: "reaches FP4 tensor cores"}
+
+
+def _outcome(result: xla_backend.ScaledMatmulProbe) -> int:
+    return _FUSED if result.fused else _REWRITTEN if result.lowers else _ABSENT
+
+
+def process_allgather_int(value: int) -> list[int]:
+    """`value` of every process of the run, by process index ([value] on one process)."""
+    if jax.process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
+
+
+def agreed_probe(result: xla_backend.ScaledMatmulProbe, gather: Callable[[int], Sequence[int]]):
+    """This process's probe `result` if every process saw the same outcome, else the weakest
+    outcome any process saw, naming the processes. Raises ValueError (one line) when the
+    processes cannot exchange it."""
+    try:
+        outcomes = [int(v) for v in gather(_outcome(result))]
+    except Exception as err:  # noqa: BLE001 - any failure means the processes cannot agree
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"quantization_backend: the processes could not agree on the backend "
+            f"({type(err).__name__}: {first}); set quantization_backend=emulated on every process"
+        ) from err
+    worst = min(outcomes)
+    if worst == _outcome(result) and len(set(outcomes)) == 1:
+        return result
+    where = [i for i, o in enumerate(outcomes) if o == worst]
+    detail = (f"{_OUTCOME_WORDS[worst]} on process(es) {where} of {len(outcomes)}, so on none "
+              f"(this process: {result.detail})")
+    return xla_backend.ScaledMatmulProbe(worst >= _REWRITTEN, worst == _FUSED, detail)
 
 
 def make_backend(
@@ -135,9 +189,10 @@ class Backend:
         """The start-up line."""
         return f"quantization backend: {self.name} ({self.reason})"
 
-    def dot_general_factory(self, recipe: Union[Recipe, str], *, quant_stats: bool = False):
+    def dot_general_factory(self, recipe: Union[Recipe, str], *, quant_stats: bool = False,
+                            kernel_dtype: Optional[str] = None):
         """The model's factory of quantized dots for `recipe` on this backend (None for bf16)."""
-        return _factory(recipe, self.executor, quant_stats=quant_stats)
+        return _factory(recipe, self.executor, quant_stats=quant_stats, kernel_dtype=kernel_dtype)
 
     def scope(self):
         """What tracing and compiling a model on this backend needs around it."""
@@ -151,6 +206,8 @@ def resolve_backend(
     *,
     probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
     check_te: Optional[Callable[[Recipe], str]] = None,
+    allow_xla_fallback: bool = False,
+    gather: Optional[Callable[[int], Sequence[int]]] = None,
 ) -> Backend:
     """The backend of `quantization_backend=requested`, `quantization=recipe` and
     `quant_kernels` on this process's devices: the one decision about how the GEMMs run.
@@ -160,11 +217,18 @@ def resolve_backend(
     from nvfp4_jax.kernels import select  # the kernels are optional; imported only here
 
     recipe = get_recipe(recipe)
-    choice = choose_backend(requested, recipe, probe=probe, check_te=check_te)
+    choice = choose_backend(requested, recipe, probe=probe, check_te=check_te,
+                            allow_xla_fallback=allow_xla_fallback, gather=gather)
     executor = make_backend(choice.name)
     if recipe.format != "nvfp4":
         return Backend(choice.name, choice.reason, executor)
     if choice.name != "emulated":
+        if quant_kernels == "pallas":
+            raise ValueError(
+                f"quant_kernels=pallas: the {choice.name} backend quantizes its own operands "
+                "(the kernels feed only the emulated GEMM); use quant_kernels=auto or jnp, or "
+                "quantization_backend=emulated"
+            )
         return Backend(choice.name, choice.reason, executor,
                        f"jnp (the {choice.name} backend quantizes its own operands)")
     kernels = select.operand_kernels(quant_kernels)

@@ -115,6 +115,7 @@ class _Static:
     """Everything the custom VJP needs that is not an array (hashable: a nondiff argument)."""
 
     quantizers: "Quantizers"
+    w_cast: Any  # the dtype W is quantized from (None: as given)
     out_dtype: Any
     x_dtype: Any
     w_dtype: Any
@@ -127,6 +128,7 @@ def make_dot_general(
     fp8_meta: Optional[fp8_delayed.FP8Meta] = None,
     backend: NVFP4Backend = EMULATED,
     quant_stats: Optional[dict] = None,
+    kernel_dtype: Any = None,
 ) -> DotGeneral:
     """A function with `lax.dot_general`'s signature that runs `recipe`'s quantized GEMMs.
 
@@ -140,6 +142,10 @@ def make_dot_general(
         pure-jnp reference quantizer and the emulated GEMM; `backends.make_backend("xla")`
         runs them through `jax.nn.scaled_matmul`). Also the hook for experiments, e.g. an
         identity quantizer.
+      kernel_dtype: quantize `rhs` (the kernel) from this dtype, e.g. bfloat16: the compute-dtype
+        copy that MaxText hands Transformer Engine, so the operands are TE's. The gradient
+        with respect to `rhs` stays in rhs's own dtype (fp32 for a master kernel), from the
+        fp32 accumulator; TE returns it in bf16. None (default): quantize `rhs` as given.
       quant_stats: `health.init_stats(recipe)` (zeros) to measure this GEMM's operands: the
         gradient with respect to it is `{operand: {stat: value}}` of the forward and backward
         pass (see `health`). The NVFP4 statistics come from the reference quantizer, whatever
@@ -187,7 +193,8 @@ def make_dot_general(
         out_dtype = jnp.dtype(
             jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
         )
-        static = _Static(quantizers(recipe, backend), out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        w_cast = None if kernel_dtype is None else jnp.dtype(kernel_dtype)
+        static = _Static(quantizers(recipe, backend), w_cast, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
         y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta, quant_stats)
         return y.reshape(*lhs.shape[:-1], n)
 
@@ -253,6 +260,8 @@ def _fwd(static: _Static, x_TxK, w_KxN, key, meta, stats):
     # `seen` collects the operand statistics when asked for (None: nothing is measured).
     seen = None if stats is None else {}
     specs = qs.specs
+    if static.w_cast is not None:
+        w_KxN = w_KxN.astype(static.w_cast)
     # FPROP  Y = X . W
     xq = _quantize(qs, specs["x"], x_TxK, aux, seen)
     wq = _quantize(qs, specs["w"], w_KxN, aux, seen)
@@ -261,11 +270,12 @@ def _fwd(static: _Static, x_TxK, w_KxN, key, meta, stats):
     # forward's quantized one (its own transpose: 16x16 tiles, per-tensor FP8).
     x_res = x_TxK if specs["x_wgrad"] is not None else xq
     w_res = w_KxN if specs["w_dgrad"] is not None else wq
-    return y_TxN, ((x_res, w_res, xq, wq, aux), seen)
+    state = qs.state_inputs({"x": xq, "w": wq})
+    return y_TxN, ((x_res, w_res, aux, state), seen)
 
 
 def _bwd(static: _Static, res, dy_TxN):
-    (x_res, w_res, xq, wq, aux), seen = res
+    (x_res, w_res, aux, state), seen = res
     qs = static.quantizers
     specs = qs.specs
     # dY's DGRAD and WGRAD copies (one read of dY where the quantizer fuses them; FP8 uses one).
@@ -278,7 +288,7 @@ def _bwd(static: _Static, res, dy_TxN):
     dw_KxN = qs.gemm(xq_wgrad, dyq_wgrad, _WGRAD_DIMS, static.w_dtype)
     # Overwrite-with-gradient: the cotangent of this step's state is the next state, and the
     # statistics pytree's cotangent is the statistics.
-    next_meta = qs.next_state(aux, {"x": xq, "w": wq, "dy": dyq})
+    next_meta = None if state is None else qs.next_state(aux, {**state, "dy": dyq})
     return dx_TxK, dw_KxN, None, next_meta, seen
 
 
@@ -345,6 +355,10 @@ class Quantizers:
 
     def gemm(self, a, b, dims, out_dtype):
         raise NotImplementedError
+
+    def state_inputs(self, operands: dict):
+        """What the state update needs of the forward's operands (kept for the backward)."""
+        return None
 
     def next_state(self, aux, operands: dict):
         return None
@@ -421,9 +435,10 @@ class FP8Quantizers(Quantizers):
         (a_data, a_decode, _), (b_data, b_decode, _) = a, b
         return _gemm(a_data, b_data, a_decode * b_decode, dims, out_dtype)
 
+    def state_inputs(self, operands):
+        return operands if self.recipe.fp8_delayed else None
+
     def next_state(self, meta, operands):
-        if not self.recipe.fp8_delayed:
-            return None
         amaxes = {role: op[2] for role, op in operands.items()}
         return fp8_delayed.next_fp8_meta(meta, amaxes, margin=self.recipe.margin)
 

@@ -96,6 +96,8 @@ def _layout(shape, axis, two_d) -> F.BlockLayout:
 # the bits, and the per-element work as one float32 multiply (correctly rounded everywhere) and
 # integer rounding. See docs/numerics.md, "Same bits on every backend".
 
+# The E2M1 code of every element of a non-finite tensor (its block scales are all NaN).
+NONFINITE_CODE = np.uint32(0)
 _ONE_SIXTH = np.float32(1.0) / np.float32(6.0)  # fl32(1/6), folded into the global multiplier
 # float32 value of every non-negative E4M3 byte 0x00..0x7F (0x7F is NaN): the block scales.
 _E4M3_VALUES = np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
@@ -200,6 +202,9 @@ def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "qua
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
+    # A non-finite tensor's codes are all 0 (+0), whatever NaN a backend's arithmetic made of
+    # its elements: the NaN scales alone say "not finite" (NVFP4_SPEC.md has no E2M1 NaN).
+    codes = jnp.where(nonfinite, NONFINITE_CODE, codes)
     return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), amax, lay)
 
 

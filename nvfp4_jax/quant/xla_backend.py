@@ -242,6 +242,7 @@ def _probe(device) -> ScaledMatmulProbe:
 
 
 def probe_scaled_matmul(device=None) -> ScaledMatmulProbe:
-    """Compile and run a tiny NVFP4 `jax.nn.scaled_matmul` on `device` (default: the first JAX
-    device), once per device per process. Call it at start-up, never while tracing."""
-    return _probe(jax.devices()[0] if device is None else device)
+    """Compile and run a tiny NVFP4 `jax.nn.scaled_matmul` on `device` (default: this process's
+    first local device; a global device of another process cannot run it here), once per device
+    per process. Call it at start-up, never while tracing."""
+    return _probe(jax.local_devices()[0] if device is None else device)
