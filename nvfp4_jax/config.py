@@ -67,6 +67,13 @@ class ModelConfig:
     # NVFP4 operand quantizer: auto (Pallas kernels on one NVIDIA GPU after a bitwise
     # self-check, else jnp), pallas, or jnp. Same bits either way.
     quant_kernels: str = "auto"
+    # Backend fidelity (docs/backends.md). The quantized dots take the kernel in the compute
+    # dtype, as MaxText casts it and Transformer Engine quantizes it; true quantizes the fp32
+    # master kernel instead (research). The weight gradient is fp32 either way.
+    quantize_fp32_kernel: bool = False
+    # Accept quantization_backend=xla where XLA only rewrites scaled_matmul into
+    # dequantize-then-dot (no FP4 tensor cores, slower than emulated); false: an error.
+    xla_dequantize_fallback: bool = False
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0

@@ -34,7 +34,8 @@ def quantization_backend(model_cfg: ModelConfig) -> quant.Backend:
     self-check). A backend that cannot run here is a ConfigError."""
     try:
         return quant.resolve_backend(
-            model_cfg.quantization_backend, model_cfg.quantization, model_cfg.quant_kernels
+            model_cfg.quantization_backend, model_cfg.quantization, model_cfg.quant_kernels,
+            allow_xla_fallback=model_cfg.xla_dequantize_fallback,
         )
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from err
@@ -72,9 +73,16 @@ def build_model(
     mlp_dot = attention_dot = None
     if quantized:
         backend = backend or quantization_backend(model_cfg)
-        mlp_dot = backend.dot_general_factory(model_cfg.quantization, quant_stats=quant_stats)
+        # MaxText casts the fp32 kernel to the compute dtype before its dot and TE quantizes that
+        # copy; quantize_fp32_kernel=true quantizes the master kernel instead.
+        kernel_dtype = None if model_cfg.quantize_fp32_kernel else model_cfg.dtype
+        mlp_dot = backend.dot_general_factory(
+            model_cfg.quantization, quant_stats=quant_stats, kernel_dtype=kernel_dtype
+        )
         if model_cfg.attention_quantization == "fp8":
-            attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE, quant_stats=quant_stats)
+            attention_dot = quant.dot_general_factory(
+                ATTENTION_FP8_RECIPE, quant_stats=quant_stats, kernel_dtype=kernel_dtype
+            )
     kernel = select_attention(model_cfg.attention).kernel
     platform = jax.devices()[0].platform
     if kernel == "cudnn_flash" and platform != "gpu":
