@@ -199,8 +199,8 @@ def test_a_wrong_scale_layout_would_be_caught():
     """The comparison above can fail: the 2D weight's tile scales used from the wrong side
     (FPROP reading the DGRAD view's scales) change the output well beyond tolerance."""
 
-    def swapped(x, **kw):
-        op = XLA.operand(x, **kw)
+    def swapped(x, spec, key=None):
+        op = XLA.operand(x, spec, key)
         if op.axes != (0, 1):
             return op
         codes, (by_k, by_n) = op.codes, op.scales
