@@ -41,14 +41,6 @@ def quantization_backend(model_cfg: ModelConfig) -> quant.Backend:
         raise ConfigError(str(err)) from err
 
 
-def check_backend_resume(record: dict, backend: quant.Backend, model_cfg: ModelConfig) -> None:
-    """ConfigError when a checkpoint `record` was written by a backend whose state tree differs."""
-    try:
-        quant.check_backend_resume(record.get("quantization_backend"), backend.name, model_cfg.quantization)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
 def quant_kernels_line(model_cfg: ModelConfig, backend: quant.Backend) -> str | None:
     """The start-up line saying who quantizes NVFP4 operands and why (None without NVFP4)."""
     del model_cfg  # decided with the backend
