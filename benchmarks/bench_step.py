@@ -58,9 +58,9 @@ IDENTITY = "te_nvfp4 (identity quantizer)"
 GOAL_RATIO = 1.5  # issue 4: emulated te_nvfp4 step within 1.5x of the bf16 step
 
 
-def _identity_operand(x, *, axis=-1, two_d=False, rht=False, stochastic=False, key=None):
-    """`nvfp4_gemm_operand`'s signature, without the quantization: bf16 values, scale 1."""
-    del axis, two_d, rht, stochastic, key
+def _identity_operand(x, spec, key=None):
+    """An operand quantizer's signature, without the quantization: bf16 values, scale 1."""
+    del spec, key
     return x.astype(jnp.bfloat16), jnp.float32(1.0)
 
 

@@ -21,28 +21,18 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-# Flags understood by nvfp4_jax.quant.get_recipe. Kept here as data so that a bad flag fails
-# before jax or the quantizer is touched.
-QUANTIZATION_FLAGS = (
-    "",
-    "bf16",
-    "te_nvfp4",
-    "te_nvfp4_no_rht",
-    "te_fp8_delayedscaling",
-    "te_fp8_currentscaling",
-    "nvfp4_no_sr",
-    "nvfp4_1d_weights",
-    "mxfp4",
-)
+from nvfp4_jax.quant.recipe import BACKENDS, QUANT_KERNELS, RECIPES  # jax-free: the one source
+
+# Flags understood by nvfp4_jax.quant.get_recipe (MaxText's names), from the recipe table itself.
+QUANTIZATION_FLAGS = tuple(RECIPES)
 ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
 # MaxText's attention kernel names; "cudnn_flash_te" is MaxText's name for the same fused kernel.
 ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te", "chunked")
 # MaxText's remat policy names (the ones that apply to this model) plus "none": no remat.
 REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_except_mlp")
-# Which code runs the MLP GEMMs (nvfp4_jax.quant.backends.BACKENDS; docs/backends.md).
-QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
-# Who computes NVFP4 GEMM operands (nvfp4_jax.kernels.select): auto, the Pallas kernels, jnp.
-QUANT_KERNELS = ("auto", "pallas", "jnp")
+# Which code runs the MLP GEMMs (nvfp4_jax.quant.backends; docs/backends.md), and who computes
+# NVFP4 GEMM operands (nvfp4_jax.kernels.select): both from the recipe module.
+QUANTIZATION_BACKENDS = BACKENDS
 # How attention runs when the sequence is split over the `context` mesh axis (MaxText's names):
 # all_gather gathers K/V along the sequence; ulysses exchanges sequence shards for head shards.
 CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ulysses")
@@ -80,6 +70,13 @@ class ModelConfig:
     # NVFP4 operand quantizer: auto (Pallas kernels on one NVIDIA GPU after a bitwise
     # self-check, else jnp), pallas, or jnp. Same bits either way.
     quant_kernels: str = "auto"
+    # Backend fidelity (docs/backends.md). The quantized dots take the kernel in the compute
+    # dtype, as MaxText casts it and Transformer Engine quantizes it; true quantizes the fp32
+    # master kernel instead (research). The weight gradient is fp32 either way.
+    quantize_fp32_kernel: bool = False
+    # Accept quantization_backend=xla where XLA only rewrites scaled_matmul into
+    # dequantize-then-dot (no FP4 tensor cores, slower than emulated); false: an error.
+    xla_dequantize_fallback: bool = False
     # The paper keeps a few decoder layers in BF16; these count from each end.
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
@@ -406,9 +403,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 def _block_size(flag: str) -> int | None:
     """Elements per block scale of a quantization flag (None: per-tensor or no scaling)."""
-    if flag in ("", "bf16") or "fp8" in flag:
-        return None
-    return 32 if flag == "mxfp4" else 16
+    return RECIPES[flag].block_size
 
 
 def _check_run_name(name: str) -> None:
@@ -452,12 +447,11 @@ def validate(cfg: Config) -> None:
            "bf16_first_layers", m.bf16_first_layers,
            f"bf16_first_layers + bf16_last_layers must be <= base_num_decoder_layers={m.base_num_decoder_layers}")
     _validate_layout_keys(m)
-    if m.quantization not in ("", "bf16"):
-        block = 32 if m.quantization == "mxfp4" else 16
+    block = _block_size(m.quantization)
+    if block:  # K and N of every quantized GEMM are blocked axes of some operand
         for key in ("base_emb_dim", "base_mlp_dim"):
             _check(getattr(m, key) % block == 0, key, getattr(m, key),
                    f"quantization={m.quantization!r} needs a multiple of {block}")
-    block = _block_size(m.quantization)
     if block:  # the quantized GEMMs block the tokens of each sequence too (WGRAD contracts them)
         _check(m.max_target_length % block == 0, "max_target_length", m.max_target_length,
                f"quantization={m.quantization!r} needs a multiple of {block} (tokens per block scale)")

@@ -20,15 +20,17 @@ else
   source scripts/setup_env.sh
 fi
 
-# Blackwell (compute capability 10.x) with a Transformer Engine that runs te_nvfp4? If not, say why.
+# Blackwell (compute capability 10.x) with a Transformer Engine that runs te_nvfp4? The run's own
+# backend resolver answers (quantization_backend=te); if not, say why.
 te_args=()
 if te_reason="$("$PY" - <<'PYEOF'
 import sys
-from nvfp4_jax.quant import get_recipe
-from nvfp4_jax.quant.te_backend import te_unavailable_reason
-reason = te_unavailable_reason(get_recipe("te_nvfp4"))
-print(reason or "")
-sys.exit(1 if reason else 0)
+from nvfp4_jax.quant import TEUnavailableError, resolve_backend
+try:
+    resolve_backend("te", "te_nvfp4")
+except (TEUnavailableError, ValueError) as err:
+    print(err)
+    sys.exit(1)
 PYEOF
 )"; then
   config=recipes/configs/llama3-8b.yml

@@ -17,19 +17,20 @@ from typing import Optional
 import jax
 
 from nvfp4_jax.quant import nvfp4
+from nvfp4_jax.quant.spec import OperandSpec
 from nvfp4_jax.kernels.quantize import BLOCK, Copy, fused_quantize
 
 
-def kernel_copy(shape, *, axis, two_d, rht, stochastic, packed) -> Optional[Copy]:
+def kernel_copy(shape, spec: OperandSpec, *, packed: bool) -> Optional[Copy]:
     """The kernel copy that computes the reference's quantization of a tensor of `shape` viewed
-    as 2-D (`view_2d`), or None where the kernels do not cover it. Arguments already checked."""
+    as 2-D (`view_2d`), or None where the kernels do not cover it. `spec` already checked."""
     ndim = len(shape)
-    if two_d:
-        return Copy("tiles", stochastic=stochastic, packed=packed)
-    if axis == ndim - 1 and not rht and math.prod(shape[:-1]) % BLOCK == 0:
-        return Copy("rows", stochastic=stochastic, packed=packed)
-    if ndim == 2 and axis == 0 and shape[1] % BLOCK == 0:
-        return Copy("cols", rht=rht, stochastic=stochastic, packed=packed)
+    if spec.two_d:
+        return Copy("tiles", stochastic=spec.stochastic, packed=packed)
+    if spec.axis == ndim - 1 and not spec.rht and math.prod(shape[:-1]) % BLOCK == 0:
+        return Copy("rows", stochastic=spec.stochastic, packed=packed)
+    if ndim == 2 and spec.axis == 0 and shape[1] % BLOCK == 0:
+        return Copy("cols", rht=spec.rht, stochastic=spec.stochastic, packed=packed)
     return None
 
 
@@ -54,32 +55,27 @@ def _from_2d(result, x: jax.Array, copy: Copy):
     )
 
 
-_DEFAULTS = dict(axis=-1, two_d=False, rht=False, stochastic=False, key=None)
+_KEYWORDS = ("axis", "two_d", "rht", "stochastic", "key")
 
 
-def _arguments(x, kw: dict, fn: str) -> dict:
-    """The reference's keyword arguments with defaults filled in, checked as it checks them."""
-    unknown = sorted(set(kw) - set(_DEFAULTS))
+def _spec(kw: dict, fn: str) -> tuple[OperandSpec, Optional[jax.Array]]:
+    """The reference's keyword arguments as (spec, key)."""
+    unknown = sorted(set(kw) - set(_KEYWORDS))
     if unknown:
-        raise ValueError(f"{fn}: unknown argument(s) {unknown}; allowed: {', '.join(_DEFAULTS)}")
-    args = dict(_DEFAULTS, **kw)
-    args["axis"] = nvfp4._check_args(x, args["axis"], args["two_d"], args["rht"], args["stochastic"],
-                                     args["key"], fn)
-    return args
+        raise ValueError(f"{fn}: unknown argument(s) {unknown}; allowed: {', '.join(_KEYWORDS)}")
+    kw = dict(kw)
+    key = kw.pop("key", None)
+    return OperandSpec(**kw), key
 
 
-def _copy(x, args: dict, packed: bool) -> Optional[Copy]:
-    return kernel_copy(x.shape, axis=args["axis"], two_d=args["two_d"], rht=args["rht"],
-                       stochastic=args["stochastic"], packed=packed)
-
-
-def _quantize(x, kw: dict, packed: bool, interpret, fn: str):
-    args = _arguments(x, kw, fn)
-    copy = _copy(x, args, packed)
+def _quantize(x, spec: OperandSpec, key, packed: bool, interpret, fn: str):
+    checked = nvfp4.check_operand(x, spec, key, fn)
+    copy = kernel_copy(x.shape, checked, packed=packed)
     if copy is None:
-        return (nvfp4.quantize_nvfp4 if packed else nvfp4.nvfp4_gemm_operand)(x, **args)
-    [result] = fused_quantize(view_2d(x), [copy], [args["key"] if copy.stochastic else None],
-                              interpret=interpret)
+        if packed:
+            return nvfp4.pack(x.shape, nvfp4.quantize_blocks(x, spec, key, fn=fn), checked)
+        return nvfp4.gemm_operand(x, spec, key, fn=fn)
+    [result] = fused_quantize(view_2d(x), [copy], [key if copy.stochastic else None], interpret=interpret)
     return _from_2d(result, x, copy)
 
 
@@ -89,20 +85,33 @@ def quantize_nvfp4(x: jax.Array, *, interpret: Optional[bool] = None, **kw) -> n
 
     interpret: run the kernels in Pallas's interpreter (default: unless on a GPU).
     """
-    return _quantize(x, kw, True, interpret, "quantize_nvfp4")
+    return _quantize(x, *_spec(kw, "quantize_nvfp4"), True, interpret, "quantize_nvfp4")
 
 
 def gemm_operand(x: jax.Array, *, interpret: Optional[bool] = None, **kw) -> tuple[jax.Array, jax.Array]:
     """`nvfp4_jax.quant.nvfp4_gemm_operand(x, **kw)` by the Pallas kernels (as `quantize_nvfp4`)."""
-    return _quantize(x, kw, False, interpret, "nvfp4_gemm_operand")
+    return _quantize(x, *_spec(kw, "nvfp4_gemm_operand"), False, interpret, "nvfp4_gemm_operand")
+
+
+def spec_operand(x: jax.Array, spec: OperandSpec, key=None, *, interpret: Optional[bool] = None):
+    """`nvfp4_jax.quant.nvfp4.gemm_operand(x, spec, key)` by the Pallas kernels: the operand
+    quantizer of an `NVFP4Backend`."""
+    return _quantize(x, spec, key, False, interpret, "nvfp4_gemm_operand")
+
+
+def spec_operand_pair(x: jax.Array, first: tuple, second: tuple, *, interpret: Optional[bool] = None):
+    """Two GEMM operands of one tensor from `(spec, key)` pairs, from one read of x where the
+    kernels cover both (dY's DGRAD and WGRAD copies): an `NVFP4Backend`'s `operand_pair`."""
+    checked = [nvfp4.check_operand(x, spec, key, "gemm_operand_pair") for spec, key in (first, second)]
+    copies = [kernel_copy(x.shape, spec, packed=False) for spec in checked]
+    if x.ndim != 2 or None in copies:
+        return (spec_operand(x, *first, interpret=interpret), spec_operand(x, *second, interpret=interpret))
+    keys = [key if c.stochastic else None for (_, key), c in zip((first, second), copies)]
+    return tuple(fused_quantize(x, copies, keys, interpret=interpret))
 
 
 def gemm_operand_pair(x: jax.Array, first: dict, second: dict, *, interpret: Optional[bool] = None):
     """Two GEMM operands of one tensor, `(gemm_operand(x, **first), gemm_operand(x, **second))`,
     from one read of x where the kernels cover both (dY's DGRAD and WGRAD copies)."""
-    args = [_arguments(x, kw, "gemm_operand_pair") for kw in (first, second)]
-    copies = [_copy(x, a, packed=False) for a in args]
-    if x.ndim != 2 or None in copies:
-        return gemm_operand(x, **first, interpret=interpret), gemm_operand(x, **second, interpret=interpret)
-    keys = [a["key"] if c.stochastic else None for a, c in zip(args, copies)]
-    return tuple(fused_quantize(x, copies, keys, interpret=interpret))
+    return spec_operand_pair(x, _spec(first, "gemm_operand_pair"), _spec(second, "gemm_operand_pair"),
+                             interpret=interpret)

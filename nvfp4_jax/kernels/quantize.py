@@ -6,7 +6,7 @@ passes over memory, the least a quantizer with a per-tensor scale can do:
 1. `_amax_kernel` reads X once and reduces, per tile, the |X| bits and (when a copy needs it)
    the bits of |RHT(X)| along M; jnp finishes the max over the few tiles.
 2. jnp computes each copy's per-tensor factors exactly as the reference does
-   (`nvfp4._tensor_factors`: integer-built arithmetic and the 128-row table by E4M3 byte).
+   (`nvfp4.tensor_factors`: integer-built arithmetic and the 128-row table by E4M3 byte).
 3. `_quantize_kernel` reads X once more and writes every requested copy: 1x16 blocks along N
    ("rows"), 1x16 blocks along M with or without the RHT ("cols"), 16x16 tiles ("tiles"),
    each rounded to nearest or stochastically, as packed codes + E4M3 scale bytes or as the
@@ -19,7 +19,7 @@ the RHT butterfly and the column-block amax are elementwise work across slices, 
 16-blocks lie inside one slice. Everything inside is what Triton lowers: strided loads and
 stores, reshapes, reductions, a gather from the per-tensor table by scale byte, integer and
 float elementwise work. The per-block and per-element arithmetic is the reference's own
-functions (`nvfp4._block_scales`, `formats.e2m1_rn_codes`, `round_e2m1_stochastic`,
+functions (`nvfp4.block_scales`, `formats.e2m1_rn_codes`, `round_e2m1_stochastic`,
 `e2m1_codes`, `e2m1_values`, the SR noise `sr_noise_groups`); only the RHT butterfly and the
 nibble packing are written again here, in the slice layout, because the reference's
 concatenates and width-changing bitcasts have no Triton lowering.
@@ -153,9 +153,9 @@ _TABLE = 128  # rows of the per-tensor table: one per non-negative E4M3 byte
 
 
 def _block_factors(amax_b_bits, scal_ref, table_ref):
-    """(scale bytes uint8, s_b, enc_b) of blocks with these amax bits (nvfp4._quantize_codes)."""
+    """(scale bytes uint8, s_b, enc_b) of blocks with these amax bits (nvfp4.quantize_blocks)."""
     mult, mult_tiny = (exact.from_bits(scal_ref[i]) for i in (_MULT, _MULT_TINY))
-    scales = nvfp4._block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny)
+    scales = nvfp4.block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny)
     byte = lax.bitcast_convert_type(scales, jnp.uint8)
     byte = jnp.where(scal_ref[_NONFINITE] != 0, np.uint8(0x7F), byte)  # NaN scales
     index = byte.astype(jnp.int32)
@@ -200,6 +200,7 @@ def _write_copy(tile, copy, scal_ref, table_ref, outs, noise):
     byte, s_b, enc_b = _block_factors(amax_b, scal_ref, table_ref)
     rbits = noise.rows(0, bt, 1).reshape(lay.blocked) if copy.stochastic else None
     codes = _element_codes(xb, enc_b, rbits)
+    codes = jnp.where(scal_ref[_NONFINITE] != 0, nvfp4.NONFINITE_CODE, codes)  # as the reference
     if copy.packed:
         outs[0][...] = _pack_pairs(codes.reshape(bt, bn), axis)
         outs[1][...] = byte.reshape(outs[1].shape)
@@ -291,7 +292,7 @@ def _out_specs(copy: Copy, shape, bt: int, bn: int):
 
 def _tensor_inputs(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(scalars uint32[3], table float32[256]) of one amax: the reference's per-tensor factors."""
-    mult, mult_tiny, table = nvfp4._tensor_factors(amax)
+    mult, mult_tiny, table = nvfp4.tensor_factors(amax)
     nonfinite = jnp.isnan(amax).astype(jnp.uint32)
     scalars = jnp.stack([exact.bits(mult), exact.bits(mult_tiny), nonfinite])
     return scalars, jnp.concatenate([table[:, 0], table[:, 1]])

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax.bitwise import bit_diff
-from nvfp4_jax.config import QUANT_KERNELS
 from nvfp4_jax.quant import nvfp4
 from nvfp4_jax.quant.dot import NVFP4Backend
+from nvfp4_jax.quant.recipe import QUANT_KERNELS
 from nvfp4_jax.kernels import operand
 from nvfp4_jax.kernels.quantize import Copy, fused_quantize
 
@@ -121,13 +121,13 @@ def _pallas(interpret: bool, reason: str) -> OperandKernels:
     return OperandKernels(
         PALLAS,
         reason,
-        functools.partial(operand.gemm_operand, interpret=interpret),
-        functools.partial(operand.gemm_operand_pair, interpret=interpret),
+        functools.partial(operand.spec_operand, interpret=interpret),
+        functools.partial(operand.spec_operand_pair, interpret=interpret),
     )
 
 
 def _jnp(reason: str) -> OperandKernels:
-    return OperandKernels(JNP, reason, nvfp4.nvfp4_gemm_operand)
+    return OperandKernels(JNP, reason, nvfp4.gemm_operand)
 
 
 @functools.lru_cache(maxsize=None)  # one self-check per process and choice
@@ -156,7 +156,7 @@ def operand_kernels(choice: str = "auto") -> OperandKernels:
 
 def with_operand_kernels(backend: NVFP4Backend, kernels: OperandKernels) -> NVFP4Backend:
     """`backend` with its operands computed by `kernels` (its GEMM must take the emulated form)."""
-    if kernels.name == JNP and backend.operand is nvfp4.nvfp4_gemm_operand:
+    if kernels.name == JNP and backend.operand is nvfp4.gemm_operand:
         return backend
     return dataclasses.replace(
         backend, name=f"{backend.name}+{kernels.name}", operand=kernels.operand,

@@ -1,68 +1,53 @@
-"""Everything that knows FP4/FP8: formats, quantizers, Hadamard transform, recipes, the quantized dot."""
+"""Everything that knows FP4/FP8: formats, quantizers, Hadamard transform, recipes, the quantized dot.
 
-from .formats import E2M1_VALUES, e2m1_values, pack_nibbles, unpack_nibbles
-from .fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
-from .hadamard import hadamard_matrix, inverse_random_hadamard_transform, random_hadamard_transform
-from .mxfp4 import MXFP4Tensor, dequantize_mxfp4, quantize_mxfp4
-from . import exact
-from .nvfp4 import NVFP4Tensor, dequantize, nvfp4_gemm_operand, quantize_nvfp4, unpack_codes
+Layout (docs/design.md): numerics (`exact`, `formats`, `hadamard`), tensors (`nvfp4`, `mxfp4`,
+`fp8`, with `spec.OperandSpec` describing one GEMM operand), the GEMM (`recipe`, `dot`: the
+skeleton and the quantizer sets, `flax_dot`, `fp8_delayed`, `backends` with `xla_backend` and
+`te_backend`), and `health`.
 
-# The quantized GEMM (issue 3): recipes, the dot_general seam, its Flax module, FP8 state.
-from .dot import EMULATED, NVFP4Backend, emulated_gemm, make_dot_general
-from .flax_dot import (
-    OVERWRITE_WITH_GRADIENT_COLLECTIONS,
-    QuantDotGeneral,
-    dot_general_factory,
-    quant_rngs,
-)
-from .fp8_delayed import init_fp8_meta
-from .recipe import RECIPES, Recipe, get_recipe
-from .te_backend import TE, TEBackend, TEUnavailableError
-from .xla_backend import BlockScaledOperand, probe_scaled_matmul, scaled_matmul_reference, xla_operand
-from .backends import BACKENDS, BackendChoice, check_backend_resume, choose_backend, make_backend
+The names below load lazily (PEP 562), so that `nvfp4_jax.quant.recipe`, which `nvfp4_jax.config`
+reads its choices from, imports without jax.
+"""
 
-__all__ = [
-    "exact",
-    "E2M1_VALUES",
-    "e2m1_values",
-    "pack_nibbles",
-    "unpack_nibbles",
-    "FP8Tensor",
-    "dequantize_fp8",
-    "quantize_fp8",
-    "hadamard_matrix",
-    "inverse_random_hadamard_transform",
-    "random_hadamard_transform",
-    "MXFP4Tensor",
-    "dequantize_mxfp4",
-    "quantize_mxfp4",
-    "NVFP4Tensor",
-    "dequantize",
-    "nvfp4_gemm_operand",
-    "quantize_nvfp4",
-    "unpack_codes",
-    "make_dot_general",
-    "NVFP4Backend",
-    "EMULATED",
-    "emulated_gemm",
-    "OVERWRITE_WITH_GRADIENT_COLLECTIONS",
-    "QuantDotGeneral",
-    "dot_general_factory",
-    "quant_rngs",
-    "init_fp8_meta",
-    "RECIPES",
-    "Recipe",
-    "get_recipe",
-    "TE",
-    "TEBackend",
-    "TEUnavailableError",
-    "BlockScaledOperand",
-    "probe_scaled_matmul",
-    "scaled_matmul_reference",
-    "xla_operand",
-    "BACKENDS",
-    "BackendChoice",
-    "check_backend_resume",
-    "choose_backend",
-    "make_backend",
-]
+import importlib
+
+_EXPORTS = {
+    "formats": ("E2M1_VALUES", "e2m1_values", "pack_nibbles", "unpack_nibbles"),
+    "fp8": ("FP8Tensor", "dequantize_fp8", "quantize_fp8"),
+    "hadamard": ("hadamard_matrix", "inverse_random_hadamard_transform", "random_hadamard_transform"),
+    "mxfp4": ("MXFP4Tensor", "dequantize_mxfp4", "quantize_mxfp4"),
+    "nvfp4": ("NVFP4Tensor", "BlockCodes", "dequantize", "gemm_operand", "nvfp4_gemm_operand",
+              "quantize_blocks", "quantize_nvfp4", "unpack_codes"),
+    "spec": ("OperandSpec",),
+    # The quantized GEMM (issue 3): recipes, the dot_general seam, its Flax module, FP8 state.
+    "dot": ("EMULATED", "NVFP4Backend", "Quantizers", "emulated_gemm", "make_dot_general"),
+    "flax_dot": ("OVERWRITE_WITH_GRADIENT_COLLECTIONS", "QuantDotGeneral", "dot_general_factory",
+                 "quant_rngs"),
+    "fp8_delayed": ("init_fp8_meta",),
+    "recipe": ("BACKENDS", "RECIPES", "Recipe", "get_recipe", "operand_specs"),
+    "te_backend": ("TE", "TEBackend", "TEUnavailableError"),
+    "xla_backend": ("BlockScaledOperand", "block_scaled_operand", "probe_scaled_matmul",
+                    "scaled_matmul_reference", "xla_operand"),
+    "backends": ("Backend", "BackendChoice", "check_backend_resume", "choose_backend", "make_backend",
+                 "resolve_backend"),
+}
+_SUBMODULES = ("exact", "formats", "fp8", "fp8_delayed", "hadamard", "mxfp4", "nvfp4", "spec", "dot",
+               "flax_dot", "recipe", "te_backend", "xla_backend", "backends", "health")
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = ["exact", "health", *_WHERE]
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

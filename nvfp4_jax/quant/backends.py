@@ -12,25 +12,28 @@ bit-identical to one-device runs, so TE is used only when asked for by name. `au
 `xla` where XLA only rewrites `scaled_matmul` into dequantize-then-dot (Hopper and older): that
 has no FP4 tensor cores and nothing to gain over the emulated GEMM.
 
-The choice is made once, at start-up, from the config (`choose_backend`), and printed
-(`BackendChoice.line`). `make_backend` turns it into what `QuantDotGeneral(nvfp4_backend=...)`
-takes. The GEMM and the operand quantizer are separate choices: `make_backend(name, operand=...)`
-pairs a backend's GEMM with any quantizer that returns that GEMM's operand form
-(`(bf16 values, decode scale)` for emulated, `BlockScaledOperand` for xla).
+One function, `resolve_backend`, turns the config's `quantization`, `quantization_backend` and
+`quant_kernels` into the `Backend` a run uses: its name and reason (`choose_backend`), and the
+executor that runs the dots: an `NVFP4Backend` (operand quantizer, paired-operand quantizer,
+GEMM) or `te_backend.TE`, which replaces the whole dot. It is decided once at start-up, printed
+once (`Backend.lines`), held by the model builder and passed down (`Backend.dot_general_factory`,
+`Backend.scope`). `make_backend(name, operand=...)` pairs a backend's GEMM with any quantizer
+that returns that GEMM's operand form (`(bf16 values, decode scale)` for emulated,
+`BlockScaledOperand` for xla).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
+import numpy as np
 
 from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
 from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm
-from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
-
-BACKENDS = ("auto", "emulated", "xla", "te")
+from nvfp4_jax.quant.flax_dot import dot_general_factory as _factory
+from nvfp4_jax.quant.recipe import BACKENDS, Recipe, get_recipe, recipe_name
 _AUTO_AND_TE = "auto never picks te (quantization_backend=te asks for Transformer Engine)"
 
 
@@ -53,13 +56,20 @@ def choose_backend(
     *,
     probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
     check_te: Optional[Callable[[Recipe], str]] = None,
+    allow_xla_fallback: bool = False,
+    gather: Optional[Callable[[int], Sequence[int]]] = None,
 ) -> BackendChoice:
-    """Resolve `quantization_backend=requested` for `recipe` on this process's devices.
+    """Resolve `quantization_backend=requested` for `recipe` on this process's local devices,
+    in agreement with every other process of the run.
 
-    `probe` (default `xla_backend.probe_scaled_matmul`) compiles a tiny `scaled_matmul`;
-    `check_te` (default `te_backend.check_te`) returns TE's version or raises. Both are
-    parameters for tests. An explicit backend that cannot run here raises (ValueError, or
-    TEUnavailableError for te) with the reason; `auto` always resolves.
+    `probe` (default `xla_backend.probe_scaled_matmul`) compiles a tiny `scaled_matmul` on the
+    first local device; `gather` (default `process_allgather_int`) shares its outcome across
+    processes, and all of them then decide from the weakest outcome, so every process ends with
+    the same backend. `check_te` (default `te_backend.check_te`) returns TE's version or raises.
+    All three are parameters for tests. An explicit backend that cannot run here raises
+    (ValueError, or TEUnavailableError for te) with the reason; `auto` always resolves.
+    `allow_xla_fallback` accepts an explicit `xla` where XLA only rewrites `scaled_matmul` into
+    dequantize-then-dot (no FP4 tensor cores: slower than emulated); without it that is an error.
     """
     if requested not in BACKENDS:
         raise ValueError(f"quantization_backend={requested!r}; choose one of {list(BACKENDS)}")
@@ -79,18 +89,64 @@ def choose_backend(
                 f"quantization_backend=xla runs NVFP4 recipes through jax.nn.scaled_matmul; "
                 f"quantization={name} is {recipe.format}: use quantization_backend=auto or emulated"
             )
-        result = probe()
+        result = agreed_probe(probe(), gather or process_allgather_int)
         if not result.lowers:
             raise ValueError(
                 f"quantization_backend=xla: jax.nn.scaled_matmul {result.detail}; use "
                 "quantization_backend=auto or emulated"
             )
+        if not result.fused and not allow_xla_fallback:
+            raise ValueError(
+                f"quantization_backend=xla: jax.nn.scaled_matmul {result.detail}, slower than "
+                "quantization_backend=emulated (same numerics); use emulated, or "
+                "xla_dequantize_fallback=true to run the rewrite anyway"
+            )
         return BackendChoice("xla", f"asked for: jax.nn.scaled_matmul {result.detail}")
     if recipe.format != "nvfp4":
         return BackendChoice("emulated", f"auto: {name} is {recipe.format}, the xla backend covers NVFP4 only; {_AUTO_AND_TE}")
-    result = probe()
+    result = agreed_probe(probe(), gather or process_allgather_int)
     return BackendChoice("xla" if result.fused else "emulated",
                          f"auto: jax.nn.scaled_matmul {result.detail}; {_AUTO_AND_TE}")
+
+
+# A probe's outcome as one int every process can share: the smallest is the weakest.
+_ABSENT, _REWRITTEN, _FUSED = 0, 1, 2
+_OUTCOME_WORDS = {_ABSENT: "does not lower", _REWRITTEN: "lowers only as dequantize-then-dot",
+                  _FUSED: "reaches FP4 tensor cores"}
+
+
+def _outcome(result: xla_backend.ScaledMatmulProbe) -> int:
+    return _FUSED if result.fused else _REWRITTEN if result.lowers else _ABSENT
+
+
+def process_allgather_int(value: int) -> list[int]:
+    """`value` of every process of the run, by process index ([value] on one process)."""
+    if jax.process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
+
+
+def agreed_probe(result: xla_backend.ScaledMatmulProbe, gather: Callable[[int], Sequence[int]]):
+    """This process's probe `result` if every process saw the same outcome, else the weakest
+    outcome any process saw, naming the processes. Raises ValueError (one line) when the
+    processes cannot exchange it."""
+    try:
+        outcomes = [int(v) for v in gather(_outcome(result))]
+    except Exception as err:  # noqa: BLE001 - any failure means the processes cannot agree
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"quantization_backend: the processes could not agree on the backend "
+            f"({type(err).__name__}: {first}); set quantization_backend=emulated on every process"
+        ) from err
+    worst = min(outcomes)
+    if worst == _outcome(result) and len(set(outcomes)) == 1:
+        return result
+    where = [i for i, o in enumerate(outcomes) if o == worst]
+    detail = (f"{_OUTCOME_WORDS[worst]} on process(es) {where} of {len(outcomes)}, so on none "
+              f"(this process: {result.detail})")
+    return xla_backend.ScaledMatmulProbe(worst >= _REWRITTEN, worst == _FUSED, detail)
 
 
 def make_backend(
@@ -109,12 +165,75 @@ def make_backend(
         return EMULATED if operand is None else NVFP4Backend("emulated", operand, emulated_gemm)
     if name == "xla":
         gemm = xla_backend.ScaledMatmulGemm(scaled_matmul)
-        return NVFP4Backend("xla", operand or xla_backend.xla_operand, gemm)
+        return NVFP4Backend("xla", operand or xla_backend.block_scaled_operand, gemm)
     if name == "te":
         if operand is not None:
             raise ValueError("quantization_backend=te: Transformer Engine quantizes its own operands")
         return te_backend.TE
     raise ValueError(f"no backend {name!r}; make_backend takes one of {list(BACKENDS[1:])}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What start-up resolved from the config: which backend runs the quantized dots and why,
+    and the executor that does it (an `NVFP4Backend` or `te_backend.TE`, which replaces the whole
+    dot). `operands` says who quantizes NVFP4 operands (None when no NVFP4 recipe runs)."""
+
+    name: str
+    reason: str
+    executor: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
+    operands: Optional[str] = None
+
+    @property
+    def line(self) -> str:
+        """The start-up line."""
+        return f"quantization backend: {self.name} ({self.reason})"
+
+    def dot_general_factory(self, recipe: Union[Recipe, str], *, quant_stats: bool = False,
+                            kernel_dtype: Optional[str] = None):
+        """The model's factory of quantized dots for `recipe` on this backend (None for bf16)."""
+        return _factory(recipe, self.executor, quant_stats=quant_stats, kernel_dtype=kernel_dtype)
+
+    def scope(self):
+        """What tracing and compiling a model on this backend needs around it."""
+        return self.executor.scope()
+
+
+def resolve_backend(
+    requested: str,
+    recipe: Union[Recipe, str],
+    quant_kernels: str = "jnp",
+    *,
+    probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
+    check_te: Optional[Callable[[Recipe], str]] = None,
+    allow_xla_fallback: bool = False,
+    gather: Optional[Callable[[int], Sequence[int]]] = None,
+) -> Backend:
+    """The backend of `quantization_backend=requested`, `quantization=recipe` and
+    `quant_kernels` on this process's devices: the one decision about how the GEMMs run.
+
+    Raises as `choose_backend` does for a backend that cannot run here.
+    """
+    from nvfp4_jax.kernels import select  # the kernels are optional; imported only here
+
+    recipe = get_recipe(recipe)
+    choice = choose_backend(requested, recipe, probe=probe, check_te=check_te,
+                            allow_xla_fallback=allow_xla_fallback, gather=gather)
+    executor = make_backend(choice.name)
+    if recipe.format != "nvfp4":
+        return Backend(choice.name, choice.reason, executor)
+    if choice.name != "emulated":
+        if quant_kernels == "pallas":
+            raise ValueError(
+                f"quant_kernels=pallas: the {choice.name} backend quantizes its own operands "
+                "(the kernels feed only the emulated GEMM); use quant_kernels=auto or jnp, or "
+                "quantization_backend=emulated"
+            )
+        return Backend(choice.name, choice.reason, executor,
+                       f"jnp (the {choice.name} backend quantizes its own operands)")
+    kernels = select.operand_kernels(quant_kernels)
+    return Backend(choice.name, choice.reason, select.with_operand_kernels(executor, kernels),
+                   f"{kernels.name} ({kernels.reason})")
 
 
 def _state_collection(recipe: Recipe, backend: str) -> Optional[str]:

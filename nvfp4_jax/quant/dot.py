@@ -1,43 +1,48 @@
 """The quantized GEMM of one linear layer, as a drop-in for `jax.lax.dot_general`.
 
 For `Y = X . W` (X `[T, K]` with all leading dims flattened into tokens T, W `[K, N]`) the
-custom VJP below writes out the three GEMMs of NVFP4_SPEC.md section 7, each operand quantized
-for its own usage from the high-precision tensor:
+custom VJP below writes out the three GEMMs of NVFP4_SPEC.md section 7 once, for every format,
+each operand quantized for its own usage:
 
     FPROP  Y  = X   . W     X 1x16 along K (RN)          W 16x16 tiles (RN)
     DGRAD  dX = dY  . W^T   dY 1x16 along N (SR)         W^T: the forward's quantized W
     WGRAD  dW = X^T . dY    X^T 1x16 along T (RHT, RN)   dY^T 1x16 along T (RHT, SR)
 
-The three GEMMs are written once. What a backend varies is two small functions (STYLE.md,
-practice 15), bundled as an `NVFP4Backend`:
+(the NVFP4 column; `recipe.operand_specs` gives every recipe's `OperandSpec` per role, None
+where the backward reuses a forward quantization). What varies by format is a quantizer set
+(`Quantizers`: NVFP4, MXFP4, FP8): how to quantize an operand for its spec, the GEMM on two
+such operands, and an optional state update (delayed FP8's amax history). The statistics hook
+lives in "quantize an operand", once.
 
-- `operand(x, *, axis, two_d, rht, stochastic, key)`: quantize one GEMM operand. The reference
-  is `nvfp4_gemm_operand` (pure jnp): bf16 values `e2m1(code) * s_b` (exact in bf16) and the
+What an NVFP4 backend varies is two small functions (STYLE.md, practice 15), bundled as an
+`NVFP4Backend`:
+
+- `operand(x, spec, key)`: quantize one GEMM operand as its `OperandSpec` says. The reference
+  is `nvfp4.gemm_operand` (pure jnp): bf16 values `e2m1(code) * s_b` (exact in bf16) and the
   fp32 per-tensor decode scale.
 - `gemm(a, b, dimension_numbers, out_dtype)`: run one GEMM on two such operands. The emulated
   one multiplies the bf16 values with fp32 accumulation, then applies `alpha`, the product of
   the two decode scales, in fp32, and rounds to the output dtype.
-- optionally `operand_pair(x, first, second)`: two operands of one tensor (dY's DGRAD and WGRAD
-  copies), `first` and `second` being `operand`'s keyword arguments; a fused quantizer
-  (`nvfp4_jax.kernels`) reads x once for both. Without it, `operand` is called twice.
-
-The FP8 and MXFP4 baselines use the same structure with their own operands.
+- optionally `operand_pair(x, (spec, key), (spec, key))`: two operands of one tensor (dY's
+  DGRAD and WGRAD copies); a fused quantizer (`nvfp4_jax.kernels`) reads x once for both.
+  Without it, `operand` is called twice.
 
 Stochastic-rounding keys: the caller passes one key per step and layer (`QuantDotGeneral`
 draws it from the "quant" rng stream); the DGRAD and WGRAD copies of dY get
 `fold_in(key, 0)` and `fold_in(key, 1)`.
 
 Quantization statistics (`health`): handed a zero statistics pytree, the dot also measures every
-operand it quantizes, with the same arguments, and returns the measurements as that pytree's
+operand it quantizes, with the same spec and key, and returns the measurements as that pytree's
 cotangent. Without one (the default) the computation is exactly the plain GEMMs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +52,9 @@ from nvfp4_jax.quant import formats as F
 from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.fp8 import quantize_fp8
 from nvfp4_jax.quant.mxfp4 import quantize_mxfp4
-from nvfp4_jax.quant.nvfp4 import dequantize, nvfp4_gemm_operand
-from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
-from nvfp4_jax.quant.te_backend import TEBackend
+from nvfp4_jax.quant.nvfp4 import dequantize, gemm_operand
+from nvfp4_jax.quant.recipe import Recipe, get_recipe, operand_specs, recipe_name
+from nvfp4_jax.quant.spec import OperandSpec
 
 # fold_in constants: the two stochastically rounded copies of dY must not share random bits.
 SR_DGRAD = 0
@@ -84,14 +89,21 @@ class NVFP4Backend:
     """
 
     name: str = "emulated"
-    operand: Callable = nvfp4_gemm_operand
+    operand: Callable = gemm_operand
     gemm: Callable = emulated_gemm
     operand_pair: Optional[Callable] = None
+    # Transformer Engine's executor replaces the whole dot; this one runs the skeleton below.
+    replaces_dot: ClassVar[bool] = False
 
-    def operands(self, x, first: dict, second: dict):
-        """`(operand(x, **first), operand(x, **second))`, fused when the backend can."""
+    def scope(self):
+        """Nothing is needed around tracing (TE's executor needs its MeshResource)."""
+        return contextlib.nullcontext()
+
+    def operands(self, x, first: tuple, second: tuple):
+        """`(operand(x, *first), operand(x, *second))` for `(spec, key)` pairs, fused when the
+        backend can."""
         if self.operand_pair is None:
-            return self.operand(x, **first), self.operand(x, **second)
+            return self.operand(x, *first), self.operand(x, *second)
         return self.operand_pair(x, first, second)
 
 
@@ -102,8 +114,8 @@ EMULATED = NVFP4Backend()
 class _Static:
     """Everything the custom VJP needs that is not an array (hashable: a nondiff argument)."""
 
-    recipe: Recipe
-    backend: NVFP4Backend
+    quantizers: "Quantizers"
+    w_cast: Any  # the dtype W is quantized from (None: as given)
     out_dtype: Any
     x_dtype: Any
     w_dtype: Any
@@ -116,6 +128,7 @@ def make_dot_general(
     fp8_meta: Optional[fp8_delayed.FP8Meta] = None,
     backend: NVFP4Backend = EMULATED,
     quant_stats: Optional[dict] = None,
+    kernel_dtype: Any = None,
 ) -> DotGeneral:
     """A function with `lax.dot_general`'s signature that runs `recipe`'s quantized GEMMs.
 
@@ -129,6 +142,10 @@ def make_dot_general(
         pure-jnp reference quantizer and the emulated GEMM; `backends.make_backend("xla")`
         runs them through `jax.nn.scaled_matmul`). Also the hook for experiments, e.g. an
         identity quantizer.
+      kernel_dtype: quantize `rhs` (the kernel) from this dtype, e.g. bfloat16: the compute-dtype
+        copy that MaxText hands Transformer Engine, so the operands are TE's. The gradient
+        with respect to `rhs` stays in rhs's own dtype (fp32 for a master kernel), from the
+        fp32 accumulator; TE returns it in bf16. None (default): quantize `rhs` as given.
       quant_stats: `health.init_stats(recipe)` (zeros) to measure this GEMM's operands: the
         gradient with respect to it is `{operand: {stat: value}}` of the forward and backward
         pass (see `health`). The NVFP4 statistics come from the reference quantizer, whatever
@@ -141,10 +158,10 @@ def make_dot_general(
     if recipe.is_bf16:
         return lax.dot_general
     name = recipe_name(recipe)
-    if isinstance(backend, TEBackend):
+    if not isinstance(backend, NVFP4Backend):
         raise ValueError(
-            f"{name}: the te backend runs through the Flax module QuantDotGeneral (TE keeps its "
-            "rng and state in Flax collections); make_dot_general takes an NVFP4Backend"
+            f"{name}: backend={backend!r}; make_dot_general takes an NVFP4Backend (Transformer "
+            "Engine replaces the whole dot and runs through QuantDotGeneral)"
         )
     if recipe.needs_rng and key is None:
         raise ValueError(
@@ -176,7 +193,8 @@ def make_dot_general(
         out_dtype = jnp.dtype(
             jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
         )
-        static = _Static(recipe, backend, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        w_cast = None if kernel_dtype is None else jnp.dtype(kernel_dtype)
+        static = _Static(quantizers(recipe, backend), w_cast, out_dtype, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
         y = _quantized_matmul(static, lhs.reshape(tokens, k), rhs, key, fp8_meta, quant_stats)
         return y.reshape(*lhs.shape[:-1], n)
 
@@ -228,53 +246,71 @@ def _check_blocks(recipe: Recipe, name: str, *, tokens: int, k: int, n: int) -> 
         )
 
 
-# --- the custom VJP ---------------------------------------------------------------------------
+# --- the custom VJP: the three GEMMs, written once ---------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _quantized_matmul(static: _Static, x, w, key, meta, stats):
-    return _fwd(static, x, w, key, meta, stats)[0]
+def _quantized_matmul(static: _Static, x_TxK, w_KxN, key, meta, stats):
+    return _fwd(static, x_TxK, w_KxN, key, meta, stats)[0]
 
 
-def _fwd(static: _Static, x, w, key, meta, stats):
+def _fwd(static: _Static, x_TxK, w_KxN, key, meta, stats):
+    qs = static.quantizers
+    aux = qs.aux(key, meta)
     # `seen` collects the operand statistics when asked for (None: nothing is measured).
     seen = None if stats is None else {}
-    fmt = static.recipe.format
-    if fmt == "nvfp4":
-        y, res = _nvfp4_fwd(static, x, w, key, seen)
-    elif fmt == "mxfp4":
-        y, res = _mxfp4_fwd(static, x, w, seen)
-    else:
-        y, res = _fp8_fwd(static, x, w, meta, seen)
-    return y, (res, seen)
+    specs = qs.specs
+    if static.w_cast is not None:
+        w_KxN = w_KxN.astype(static.w_cast)
+    # FPROP  Y = X . W
+    xq = _quantize(qs, specs["x"], x_TxK, aux, seen)
+    wq = _quantize(qs, specs["w"], w_KxN, aux, seen)
+    y_TxN = qs.gemm(xq, wq, _FPROP_DIMS, static.out_dtype)
+    # The backward keeps the high-precision tensor where it quantizes it again, else the
+    # forward's quantized one (its own transpose: 16x16 tiles, per-tensor FP8).
+    x_res = x_TxK if specs["x_wgrad"] is not None else xq
+    w_res = w_KxN if specs["w_dgrad"] is not None else wq
+    state = qs.state_inputs({"x": xq, "w": wq})
+    return y_TxN, ((x_res, w_res, aux, state), seen)
 
 
-def _bwd(static: _Static, res, g):
-    res, seen = res
-    fmt = static.recipe.format
-    if fmt == "nvfp4":
-        grads = _nvfp4_bwd(static, res, g, seen)
-    elif fmt == "mxfp4":
-        grads = _mxfp4_bwd(static, res, g, seen)
-    else:
-        grads = _fp8_bwd(static, res, g, seen)
-    # Overwrite-with-gradient: the statistics pytree's cotangent is the statistics.
-    return (*grads, seen)
+def _bwd(static: _Static, res, dy_TxN):
+    (x_res, w_res, aux, state), seen = res
+    qs = static.quantizers
+    specs = qs.specs
+    # dY's DGRAD and WGRAD copies (one read of dY where the quantizer fuses them; FP8 uses one).
+    dyq, dyq_wgrad = _quantize_pair(qs, specs["dy"], specs["dy_wgrad"], dy_TxN, aux, seen)
+    # DGRAD  dX = dY . W^T
+    wq_dgrad = w_res if specs["w_dgrad"] is None else _quantize(qs, specs["w_dgrad"], w_res, aux, seen)
+    dx_TxK = qs.gemm(dyq, wq_dgrad, _DGRAD_DIMS, static.x_dtype)
+    # WGRAD  dW = X^T . dY
+    xq_wgrad = x_res if specs["x_wgrad"] is None else _quantize(qs, specs["x_wgrad"], x_res, aux, seen)
+    dw_KxN = qs.gemm(xq_wgrad, dyq_wgrad, _WGRAD_DIMS, static.w_dtype)
+    # Overwrite-with-gradient: the cotangent of this step's state is the next state, and the
+    # statistics pytree's cotangent is the statistics.
+    next_meta = None if state is None else qs.next_state(aux, {**state, "dy": dyq})
+    return dx_TxK, dw_KxN, None, next_meta, seen
 
 
 _quantized_matmul.defvjp(_fwd, _bwd)
 
 
-def _observed(quantize: Callable, measure: Callable, seen: Optional[dict]) -> Callable:
-    """`quantize`, called as `(name, x, **args)`; also records `measure(x, **args)` under `name`
-    in `seen` when statistics are collected, so they describe exactly what was quantized."""
+def _quantize(qs: "Quantizers", spec: OperandSpec, x, aux, seen: Optional[dict]):
+    """Quantize one operand; the statistics hook: measured with the very spec and key used."""
+    if seen is not None:
+        seen[spec.role] = qs.measure(x, spec, aux)
+    return qs.quantize(x, spec, aux)
 
-    def operand(name: str, x, **args):
-        if seen is not None:
-            seen[name] = measure(x, **args)
-        return quantize(x, **args)
 
-    return operand
+def _quantize_pair(qs: "Quantizers", first: OperandSpec, second: Optional[OperandSpec], x, aux, seen):
+    """Two operands of one tensor (`second` None: the first serves both GEMMs)."""
+    if second is None:
+        q = _quantize(qs, first, x, aux, seen)
+        return q, q
+    if seen is not None:
+        seen[first.role] = qs.measure(x, first, aux)
+        seen[second.role] = qs.measure(x, second, aux)
+    return qs.quantize_pair(x, first, second, aux)
 
 
 def _gemm(a, b, alpha, dims, out_dtype):
@@ -285,75 +321,126 @@ def _gemm(a, b, alpha, dims, out_dtype):
     return (acc * alpha).astype(out_dtype)
 
 
-# --- NVFP4 ------------------------------------------------------------------------------------
+# --- the quantizer sets: what each format provides to the skeleton ------------------------------
 
 
-def _nvfp4_fwd(static: _Static, x, w, key, seen):
-    r, gemm = static.recipe, static.backend.gemm
-    quant = _observed(static.backend.operand, health.nvfp4_stats, seen)
-    # FPROP  Y = X . W: X 1x16 along K, W in 16x16 tiles (or 1x16 along K), round to nearest.
-    xq = quant("x", x, axis=1)
-    wq = quant("w", w, axis=0, two_d=r.two_d_weights)
-    y = gemm(xq, wq, _FPROP_DIMS, static.out_dtype)
-    # 2D tiles make the quantized W its own transpose: DGRAD reuses it. 1x16 weights must be
-    # requantized along N from the high-precision W.
-    w_for_dgrad = wq if r.two_d_weights else w
-    return y, (x, w_for_dgrad, key)
+@dataclasses.dataclass(frozen=True)
+class Quantizers:
+    """One format's quantizer set (hashable: part of the custom VJP's static argument).
+
+    The skeleton asks it for the recipe's operand specs (`recipe.operand_specs`: None means the
+    backward reuses a forward quantization), to quantize an operand for its spec, to measure
+    one (`health`), to run a GEMM on two of its operands, and for the next state of a stateful
+    recipe. `aux` is the per-call input the operands need: the SR key (NVFP4) or the amax
+    history (delayed FP8).
+    """
+
+    recipe: Recipe
+
+    @property
+    def specs(self) -> dict:
+        return operand_specs(self.recipe)
+
+    def aux(self, key, meta):
+        return None
+
+    def quantize(self, x, spec: OperandSpec, aux):
+        raise NotImplementedError
+
+    def quantize_pair(self, x, first: OperandSpec, second: OperandSpec, aux):
+        return self.quantize(x, first, aux), self.quantize(x, second, aux)
+
+    def measure(self, x, spec: OperandSpec, aux):
+        raise NotImplementedError
+
+    def gemm(self, a, b, dims, out_dtype):
+        raise NotImplementedError
+
+    def state_inputs(self, operands: dict):
+        """What the state update needs of the forward's operands (kept for the backward)."""
+        return None
+
+    def next_state(self, aux, operands: dict):
+        return None
 
 
-def _nvfp4_bwd(static: _Static, res, g, seen):
-    r, gemm = static.recipe, static.backend.gemm
-    quant = _observed(static.backend.operand, health.nvfp4_stats, seen)
-    x, w_for_dgrad, key = res
-    k_dgrad, k_wgrad = sr_keys(key) if r.sr_gradients else (None, None)
-    sr = r.sr_gradients
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizers(Quantizers):
+    """NVFP4: operands and GEMM from the backend; SR keys folded per dY copy."""
 
-    # dY's two copies (one read of dY where the backend fuses them): DGRAD's 1x16 along N
-    # (SR); WGRAD's 1x16 along tokens (RHT, SR).
-    dy_args = dict(axis=1, stochastic=sr, key=k_dgrad)
-    dy_wgrad_args = dict(axis=0, rht=r.rht_wgrad, stochastic=sr, key=k_wgrad)
-    if seen is not None:
-        seen["dy"] = health.nvfp4_stats(g, **dy_args)
-        seen["dy_wgrad"] = health.nvfp4_stats(g, **dy_wgrad_args)
-    gq, gt = static.backend.operands(g, dy_args, dy_wgrad_args)
+    backend: NVFP4Backend = None  # type: ignore[assignment]
 
-    # DGRAD  dX = dY . W^T: W^T the forward's quantized W.
-    wq = w_for_dgrad if r.two_d_weights else quant("w_dgrad", w_for_dgrad, axis=1)
-    dx = gemm(gq, wq, _DGRAD_DIMS, static.x_dtype)
+    def aux(self, key, meta):
+        return key
 
-    # WGRAD  dW = X^T . dY: both 1x16 along tokens, RHT on both (it cancels in the product),
-    # SR on dY only.
-    xt = quant("x_wgrad", x, axis=0, rht=r.rht_wgrad)
-    dw = gemm(xt, gt, _WGRAD_DIMS, static.w_dtype)
-    return dx, dw, None, None
+    def _key(self, spec: OperandSpec, key):
+        return jax.random.fold_in(key, _SR_FOLD[spec.role]) if spec.stochastic else None
+
+    def quantize(self, x, spec, key):
+        return self.backend.operand(x, spec, self._key(spec, key))
+
+    def quantize_pair(self, x, first, second, key):
+        return self.backend.operands(x, (first, self._key(first, key)), (second, self._key(second, key)))
+
+    def measure(self, x, spec, key):
+        return health.nvfp4_spec_stats(x, spec, self._key(spec, key))
+
+    def gemm(self, a, b, dims, out_dtype):
+        return self.backend.gemm(a, b, dims, out_dtype)
 
 
-# --- MXFP4 ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MXFP4Quantizers(Quantizers):
+    """MXFP4: E2M1 times a power of two, exact in bf16 (outside the far ends of the E8M0
+    range); no per-tensor scale."""
+
+    def quantize(self, x, spec, aux):
+        return dequantize(quantize_mxfp4(x, axis=spec.axis), jnp.bfloat16)
+
+    def measure(self, x, spec, aux):
+        return health.mxfp4_stats(x, axis=spec.axis)
+
+    def gemm(self, a, b, dims, out_dtype):
+        return _gemm(a, b, 1.0, dims, out_dtype)
 
 
-def _mxfp4_operand(x, axis):
-    # E2M1 times a power of two: exact in bf16 (outside the far ends of the E8M0 range).
-    return dequantize(quantize_mxfp4(x, axis=axis), jnp.bfloat16)
+@dataclasses.dataclass(frozen=True)
+class FP8Quantizers(Quantizers):
+    """Per-tensor FP8 (HYBRID: E4M3 X and W, E5M2 dY). An operand is (FP8 values, fp32 decode
+    scale, amax); delayed scaling takes the scale from the history and returns the next one."""
 
+    def aux(self, key, meta):
+        return meta
 
-def _mxfp4_fwd(static: _Static, x, w, seen):
-    quant = _observed(_mxfp4_operand, health.mxfp4_stats, seen)
-    # FPROP  Y = X . W: 32-blocks along K on both operands; no per-tensor scale.
-    y = _gemm(quant("x", x, axis=1), quant("w", w, axis=0), 1.0, _FPROP_DIMS, static.out_dtype)
-    return y, (x, w)
+    def _scale(self, role, amax, meta):
+        if self.recipe.fp8_delayed:
+            return meta[fp8_delayed.scale_name(role)][0]  # from earlier steps only
+        return fp8_delayed.scale_from_amax(amax, fp8_delayed.ROLE_FORMATS[role])[0]
 
+    def _quantize(self, x, spec, meta):
+        amax = _amax(x)
+        fmt = fp8_delayed.ROLE_FORMATS[spec.role]
+        scale = self._scale(spec.role, amax, meta)
+        return quantize_fp8(x, scale, fmt), scale, amax, fmt
 
-def _mxfp4_bwd(static: _Static, res, g, seen):
-    quant = _observed(_mxfp4_operand, health.mxfp4_stats, seen)
-    x, w = res
-    # DGRAD  dX = dY . W^T: blocks along N, W requantized from high precision.
-    dx = _gemm(quant("dy", g, axis=1), quant("w_dgrad", w, axis=1), 1.0, _DGRAD_DIMS, static.x_dtype)
-    # WGRAD  dW = X^T . dY: blocks along tokens.
-    dw = _gemm(quant("x_wgrad", x, axis=0), quant("dy_wgrad", g, axis=0), 1.0, _WGRAD_DIMS, static.w_dtype)
-    return dx, dw, None, None
+    def quantize(self, x, spec, meta):
+        q, _, amax, _ = self._quantize(x, spec, meta)
+        return q.data, q.scale_inv, amax
 
+    def measure(self, x, spec, meta):
+        q, scale, _, fmt = self._quantize(x, spec, meta)
+        return health.fp8_stats(x, q.data, scale, q.scale_inv, fmt)
 
-# --- FP8 (per-tensor, HYBRID) -----------------------------------------------------------------
+    def gemm(self, a, b, dims, out_dtype):
+        (a_data, a_decode, _), (b_data, b_decode, _) = a, b
+        return _gemm(a_data, b_data, a_decode * b_decode, dims, out_dtype)
+
+    def state_inputs(self, operands):
+        return operands if self.recipe.fp8_delayed else None
+
+    def next_state(self, meta, operands):
+        amaxes = {role: op[2] for role, op in operands.items()}
+        return fp8_delayed.next_fp8_meta(meta, amaxes, margin=self.recipe.margin)
 
 
 def _amax(x):
@@ -361,47 +448,15 @@ def _amax(x):
     return F.bits_to_f32(jnp.max(F.abs_bits(x)))
 
 
-def _fp8_scale(static: _Static, meta, role, amax):
-    if static.recipe.fp8_delayed:
-        return meta[fp8_delayed.scale_name(role)][0]  # from earlier steps only
-    return fp8_delayed.scale_from_amax(amax, fp8_delayed.ROLE_FORMATS[role])[0]
+_SR_FOLD = {"dy": SR_DGRAD, "dy_wgrad": SR_WGRAD}
 
 
-def _fp8_operand(static: _Static, meta, role, x, seen):
-    """(FP8 values, fp32 decode scale, amax) of `x` in its role's format."""
-    amax = _amax(x)
-    fmt = fp8_delayed.ROLE_FORMATS[role]
-    scale = _fp8_scale(static, meta, role, amax)
-    q = quantize_fp8(x, scale, fmt)
-    if seen is not None:
-        seen[role] = health.fp8_stats(x, q.data, scale, q.scale_inv, fmt)
-    return q.data, q.scale_inv, amax
-
-
-def _fp8_fwd(static: _Static, x, w, meta, seen):
-    xq, dec_x, amax_x = _fp8_operand(static, meta, "x", x, seen)
-    wq, dec_w, amax_w = _fp8_operand(static, meta, "w", w, seen)
-    # FPROP  Y = X . W: both E4M3.
-    y = _gemm(xq, wq, dec_x * dec_w, _FPROP_DIMS, static.out_dtype)
-    # Per-tensor scales make every quantized tensor its own transpose: the backward reuses the
-    # forward's FP8 X and W (one byte per element).
-    state = (meta, amax_x, amax_w) if static.recipe.fp8_delayed else None
-    return y, (xq, dec_x, wq, dec_w, state)
-
-
-def _fp8_bwd(static: _Static, res, g, seen):
-    xq, dec_x, wq, dec_w, state = res
-    meta = state[0] if state is not None else None
-    gq, dec_g, amax_g = _fp8_operand(static, meta, "dy", g, seen)
-    # DGRAD  dX = dY . W^T: E5M2 x E4M3.
-    dx = _gemm(gq, wq, dec_g * dec_w, _DGRAD_DIMS, static.x_dtype)
-    # WGRAD  dW = X^T . dY: E4M3 x E5M2.
-    dw = _gemm(xq, gq, dec_x * dec_g, _WGRAD_DIMS, static.w_dtype)
-    next_meta = None
-    if state is not None:
-        # Overwrite-with-gradient: the cotangent of this step's state is the next state.
-        meta, amax_x, amax_w = state
-        next_meta = fp8_delayed.next_fp8_meta(
-            meta, {"x": amax_x, "w": amax_w, "dy": amax_g}, margin=static.recipe.margin
-        )
-    return dx, dw, None, next_meta
+def quantizers(recipe: Recipe, backend: NVFP4Backend = None) -> Quantizers:
+    """The quantizer set of a quantized `recipe` (NVFP4 operands and GEMMs by `backend`)."""
+    if recipe.format == "nvfp4":
+        return NVFP4Quantizers(recipe, backend or EMULATED)
+    if recipe.format == "mxfp4":
+        return MXFP4Quantizers(recipe)
+    if recipe.format == "fp8":
+        return FP8Quantizers(recipe)
+    raise ValueError(f"{recipe_name(recipe)} quantizes nothing: it has no quantizer set")

@@ -27,7 +27,7 @@ pass through each layer: with gradient accumulation keep the last micro-batch's,
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Callable, Optional, Union
 
 import flax.linen as nn
@@ -60,6 +60,8 @@ class QuantDotGeneral(nn.Module):
     recipe: Union[Recipe, str] = "te_nvfp4"
     nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
     quant_stats: bool = False
+    # Quantize the kernel from this dtype (e.g. "bfloat16", as MaxText + TE do); None: as given.
+    kernel_dtype: Optional[str] = None
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -69,7 +71,7 @@ class QuantDotGeneral(nn.Module):
                 lhs, rhs, dimension_numbers, precision=precision,
                 preferred_element_type=preferred_element_type,
             )
-        if isinstance(self.nvfp4_backend, te_backend.TEBackend):
+        if self.nvfp4_backend.replaces_dot:
             if self.quant_stats:
                 raise ValueError(
                     f"QuantDotGeneral({recipe_name(recipe)}): quant_stats=true needs "
@@ -81,7 +83,8 @@ class QuantDotGeneral(nn.Module):
         meta = self._fp8_meta(recipe) if recipe.fp8_delayed else None
         stats = self._stats(recipe) if self.quant_stats else None
         dot_general = make_dot_general(
-            recipe, key, fp8_meta=meta, backend=self.nvfp4_backend, quant_stats=stats
+            recipe, key, fp8_meta=meta, backend=self.nvfp4_backend, quant_stats=stats,
+            kernel_dtype=self.kernel_dtype,
         )
         return dot_general(
             lhs, rhs, dimension_numbers, precision=precision,
@@ -90,6 +93,8 @@ class QuantDotGeneral(nn.Module):
 
     def _te(self, recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type):
         te_dot = te_backend.te_dot_general_cls(recipe)(name="te")
+        if self.kernel_dtype is not None:
+            rhs = rhs.astype(self.kernel_dtype)  # TE quantizes it; its bf16 dW is cast back
         y = te_dot(lhs, rhs, dimension_numbers, precision=precision)
         # TE returns its GEMM's own output dtype (bf16 for NVFP4) and ignores the request.
         out_dtype = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
@@ -122,12 +127,32 @@ class QuantDotGeneral(nn.Module):
         return {op: self.variable(health.COLLECTION, op, lambda z=z: z).value for op, z in zeros.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class DotFactory:
+    """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend, quant_stats)`: what a
+    model is handed, and what tracing it needs around it (`scope`)."""
+
+    recipe: Recipe
+    nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
+    quant_stats: bool = False
+    kernel_dtype: Optional[str] = None
+
+    def __call__(self, **kwargs) -> QuantDotGeneral:
+        return QuantDotGeneral(recipe=self.recipe, nvfp4_backend=self.nvfp4_backend,
+                               quant_stats=self.quant_stats, kernel_dtype=self.kernel_dtype, **kwargs)
+
+    def scope(self):
+        """The backend's context for tracing and compiling (TE's MeshResource; else none)."""
+        return self.nvfp4_backend.scope()
+
+
 def dot_general_factory(
     recipe: Union[Recipe, str],
     nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED,
     *,
     quant_stats: bool = False,
-) -> Optional[Callable[[], QuantDotGeneral]]:
+    kernel_dtype: Optional[str] = None,
+) -> Optional[DotFactory]:
     """A zero-argument factory of `QuantDotGeneral(recipe, nvfp4_backend, quant_stats)`, or None
     for bf16.
 
@@ -136,9 +161,7 @@ def dot_general_factory(
     recipe = get_recipe(recipe)
     if recipe.is_bf16:
         return None
-    return functools.partial(
-        QuantDotGeneral, recipe=recipe, nvfp4_backend=nvfp4_backend, quant_stats=quant_stats
-    )
+    return DotFactory(recipe, nvfp4_backend, quant_stats, kernel_dtype)
 
 
 def quant_rngs(key: jax.Array) -> dict:

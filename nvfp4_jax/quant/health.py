@@ -44,8 +44,9 @@ from . import formats as F
 from .fp8 import FP8_MAX
 from .hadamard import random_hadamard_transform
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from .nvfp4 import _check_args, _quantize_codes, decode_scale
-from .recipe import Recipe
+from .nvfp4 import quantize_blocks
+from .recipe import Recipe, operand_specs
+from .spec import OperandSpec
 
 COLLECTION = "quant_stats"
 
@@ -60,11 +61,7 @@ Stats = dict[str, jax.Array]
 
 def operands(recipe: Recipe) -> tuple[str, ...]:
     """The names of the operands `recipe`'s quantized GEMMs quantize (see the module doc)."""
-    if recipe.format == "fp8":
-        return ("x", "w", "dy")
-    reuses_w = recipe.format == "nvfp4" and recipe.two_d_weights
-    dgrad = ("dy",) if reuses_w else ("dy", "w_dgrad")
-    return ("x", "w", *dgrad, "x_wgrad", "dy_wgrad")
+    return tuple(role for role, spec in operand_specs(recipe).items() if spec is not None)
 
 
 def stat_names(recipe: Recipe) -> tuple[str, ...]:
@@ -105,24 +102,29 @@ def value_stats(x: jax.Array, q: jax.Array) -> Stats:
 
 def nvfp4_stats(x: jax.Array, *, axis: int = -1, two_d: bool = False, rht: bool = False,
                 stochastic: bool = False, key: jax.Array | None = None) -> Stats:
-    """The statistics of NVFP4-quantizing `x` with these arguments (those of `nvfp4_gemm_operand`).
+    """The statistics of NVFP4-quantizing `x` with these arguments (those of `nvfp4_gemm_operand`)."""
+    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    return nvfp4_spec_stats(x, spec, key, fn="nvfp4_stats")
 
-    Uses the reference quantizer with the same key, so a stochastically rounded operand gets the
+
+def nvfp4_spec_stats(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "nvfp4_spec_stats") -> Stats:
+    """The statistics of NVFP4-quantizing `x` as `spec` says.
+
+    Uses the block quantizer with the same key, so a stochastically rounded operand gets the
     statistics of the very rounding the GEMM saw.
     """
-    axis = _check_args(x, axis, two_d, rht, stochastic, key, "nvfp4_stats")
-    codes, s_b, scales, amax = _quantize_codes(x, axis, two_d, rht, stochastic, key)
-    if rht:
-        x = random_hadamard_transform(x, axis)
-    lay = F.block_layout(x.shape, axis, F.NVFP4_BLOCK, two_d)
+    q = quantize_blocks(x, spec, key, fn=fn)
+    if spec.rht:
+        x = random_hadamard_transform(x, F.normalize_axis(spec.axis, x.ndim, fn))
+    lay = q.lay
     xb = x.astype(jnp.float32).reshape(lay.blocked)
-    q = (F.e2m1_values(codes) * s_b) * decode_scale(amax)  # the dequantization of spec section 3
+    dq = (F.e2m1_values(q.codes) * q.s_b) * q.decode  # the dequantization of spec section 3
     amax_b_bits, _ = F.block_amax_bits(xb, lay)
-    nonzero_block = amax_b_bits.reshape(scales.shape) > 0
-    s = F.fp8_to_f32(scales)
-    blocks = scales.size
+    nonzero_block = amax_b_bits.reshape(q.scales.shape) > 0
+    s = F.fp8_to_f32(q.scales)
+    blocks = q.scales.size
     return {
-        **value_stats(xb, q),
+        **value_stats(xb, dq),
         "scale_zero_frac": _fraction((s == 0) & nonzero_block, blocks),
         "scale_subnormal_frac": _fraction((s > 0) & (s < E4M3_MIN_NORMAL), blocks),
         "scale_max_frac": _fraction(s == F.E4M3_MAX, blocks),

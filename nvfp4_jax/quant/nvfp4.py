@@ -1,8 +1,9 @@
 """NVFP4 quantization: the bit-exact reference of Transformer Engine 2.14+ (NVFP4_SPEC.md).
 
-One implementation of the math, `_quantize_codes`, serves both public forms:
-`nvfp4_gemm_operand` (unpacked bf16 values, what the emulated GEMM consumes) and
-`quantize_nvfp4` (packed E2M1 codes + E4M3 scales + amax, the storage form).
+One implementation of the math, the block quantizer `quantize_blocks(x, spec, key)`, serves
+every form: `gemm_operand` / `nvfp4_gemm_operand` (unpacked bf16 values, what the emulated GEMM
+consumes), `quantize_nvfp4` (packed E2M1 codes + E4M3 scales + amax, the storage form), the xla
+backend's operands, the Pallas kernels' per-tensor factors and the health statistics.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import formats as F
 from .fp8 import FP8Tensor, dequantize_fp8
 from .hadamard import random_hadamard_transform
 from .mxfp4 import MXFP4Tensor, dequantize_mxfp4
+from .spec import OperandSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,30 +57,32 @@ jax.tree_util.register_dataclass(
 # --- argument checks --------------------------------------------------------------------------
 
 
-def _check_args(x, axis, two_d, rht, stochastic, key, fn) -> int:
-    """Validate the arguments; return the normalized block/packing axis."""
+def check_operand(x, spec: OperandSpec, key, fn: str) -> OperandSpec:
+    """Validate `x` and `spec` for the NVFP4 block quantizer; return the spec with its block
+    axis normalized (non-negative; the last axis for 2D tiles)."""
     F.check_float(x, fn)
-    for name, v in (("two_d", two_d), ("rht", rht), ("stochastic", stochastic)):
+    for name in ("two_d", "rht", "stochastic"):
+        v = getattr(spec, name)
         if not isinstance(v, bool):
             raise ValueError(f"{fn}: {name}={v!r} must be a Python bool (it is static)")
-    if stochastic and key is None:
+    if spec.stochastic and key is None:
         raise ValueError(f"{fn}: stochastic=True requires a PRNG key; got key=None")
-    if two_d:
+    if spec.two_d:
         if x.ndim != 2:
             raise ValueError(
                 f"{fn}: two_d=True takes a 2-D weight; got x of rank {x.ndim} (shape {x.shape})"
             )
-        if rht:
+        if spec.rht:
             raise ValueError(f"{fn}: rht=True is not allowed with two_d=True (2D is for weights)")
         if x.shape[0] % F.NVFP4_BLOCK or x.shape[1] % F.NVFP4_BLOCK:
             raise ValueError(
                 f"{fn}: two_d=True needs both dims to be multiples of {F.NVFP4_BLOCK}; "
                 f"got x.shape={x.shape}"
             )
-        return 1
-    axis = F.normalize_axis(axis, x.ndim, fn)
+        return dataclasses.replace(spec, axis=1)
+    axis = F.normalize_axis(spec.axis, x.ndim, fn)
     F.check_block_axis(x.shape, axis, F.NVFP4_BLOCK, fn)
-    return axis
+    return dataclasses.replace(spec, axis=axis)
 
 
 def _layout(shape, axis, two_d) -> F.BlockLayout:
@@ -92,6 +96,8 @@ def _layout(shape, axis, two_d) -> F.BlockLayout:
 # the bits, and the per-element work as one float32 multiply (correctly rounded everywhere) and
 # integer rounding. See docs/numerics.md, "Same bits on every backend".
 
+# The E2M1 code of every element of a non-finite tensor (its block scales are all NaN).
+NONFINITE_CODE = np.uint32(0)
 _ONE_SIXTH = np.float32(1.0) / np.float32(6.0)  # fl32(1/6), folded into the global multiplier
 # float32 value of every non-negative E4M3 byte 0x00..0x7F (0x7F is NaN): the block scales.
 _E4M3_VALUES = np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
@@ -109,7 +115,7 @@ def decode_scale(amax: jax.Array) -> jax.Array:
     return exact.div(amax, F.NVFP4_GLOBAL_SCALE)
 
 
-def _tensor_factors(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def tensor_factors(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-tensor factors: (S_enc * fl32(1/6), that times 2**-149, the block-factor table).
 
     The table has a row per non-negative E4M3 byte: its scale s_b and the encode factor
@@ -123,7 +129,7 @@ def _tensor_factors(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return F.computed_once(mult, exact.mul(mult, 2.0**-149), table)
 
 
-def _block_scales(amax_b: jax.Array, mult: jax.Array, mult_tiny: jax.Array) -> jax.Array:
+def block_scales(amax_b: jax.Array, mult: jax.Array, mult_tiny: jax.Array) -> jax.Array:
     """Block scales e4m3(clip(min(amax_b * mult, FLT_MAX), 0, 448)), mult = fl32(S_enc / 6).
 
     amax_b * mult of two normal floats is correctly rounded on every backend. A subnormal
@@ -137,16 +143,38 @@ def _block_scales(amax_b: jax.Array, mult: jax.Array, mult_tiny: jax.Array) -> j
     return F.round_to_e4m3(jnp.clip(jnp.minimum(product, F.FLT_MAX), 0.0, F.E4M3_MAX))
 
 
-def _quantize_codes(x, axis, two_d, rht, stochastic, key):
-    """Quantize to E2M1 codes and E4M3 block scales.
+@dataclasses.dataclass(frozen=True)
+class BlockCodes:
+    """What the block quantizer computes, in the blocked layout of `lay` (not a pytree: it lives
+    inside one trace).
 
-    Returns (codes, s_b, scales, amax): codes uint32 0..15 in the blocked layout,
-    s_b the float32 block scales (blocked keepdims layout, NaN everywhere when x is not
-    finite), scales the same as float8_e4m3fn in `lay.scale_shape`, amax the float32 scalar.
+    codes: uint32 0..15 E2M1 codes, `lay.blocked`. s_b: float32 block scales, `lay.keepdims`
+    (NaN everywhere when x is not finite). scales: the same as float8_e4m3fn, `lay.scale_shape`.
+    amax: the float32 per-tensor amax (after the RHT; NaN when x is not finite). lay: the layout.
     """
-    if rht:
-        x = random_hadamard_transform(x, axis)  # amax is taken after the transform
-    lay = _layout(x.shape, axis, two_d)
+
+    codes: jax.Array
+    s_b: jax.Array
+    scales: jax.Array
+    amax: jax.Array
+    lay: F.BlockLayout
+
+    @property
+    def decode(self) -> jax.Array:
+        """The per-tensor decode factor amax / 2688."""
+        return decode_scale(self.amax)
+
+
+def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quantize_blocks") -> BlockCodes:
+    """The NVFP4 block quantizer: E2M1 codes and E4M3 block scales of `x` as `spec` says.
+
+    Checks `x` and `spec` (`check_operand`) and takes the RHT first when `spec.rht` (the
+    amax is the rotated tensor's). Every public NVFP4 form is built from its result.
+    """
+    spec = check_operand(x, spec, key, fn)
+    if spec.rht:
+        x = random_hadamard_transform(x, spec.axis)  # amax is taken after the transform
+    lay = _layout(x.shape, spec.axis, spec.two_d)
     xb = x.astype(jnp.float32).reshape(lay.blocked)
 
     # Integer max over |x| bits: exact, and NaN/Inf cannot be dropped.
@@ -154,9 +182,9 @@ def _quantize_codes(x, axis, two_d, rht, stochastic, key):
     nonfinite = F.is_nonfinite_bits(amax_bits)
     amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
 
-    mult, mult_tiny, table = _tensor_factors(amax)
+    mult, mult_tiny, table = tensor_factors(amax)
     scale_bytes = lax.bitcast_convert_type(
-        _block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny), jnp.uint8
+        block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny), jnp.uint8
     )
     # A non-finite tensor gets the NaN scale (byte 0x7F) in every block.
     index = jnp.where(nonfinite, np.int32(0x7F), scale_bytes.astype(jnp.int32))
@@ -169,12 +197,23 @@ def _quantize_codes(x, axis, two_d, rht, stochastic, key):
     scales = s_b.astype(jnp.float8_e4m3fn)
 
     y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
-    if stochastic:
+    if spec.stochastic:
         rbits = F.stochastic_rounding_bits(key, x.shape).reshape(lay.blocked)
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
-    return codes, s_b, scales.reshape(lay.scale_shape), amax
+    # A non-finite tensor's codes are all 0 (+0), whatever NaN a backend's arithmetic made of
+    # its elements: the NaN scales alone say "not finite" (NVFP4_SPEC.md has no E2M1 NaN).
+    codes = jnp.where(nonfinite, NONFINITE_CODE, codes)
+    return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), amax, lay)
+
+
+def gemm_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "gemm_operand"):
+    """The emulated GEMM's operand of `x` as `spec` says: `(bf16 values, fp32 decode scale)`
+    (see `nvfp4_gemm_operand`). The reference operand quantizer of the NVFP4 backends."""
+    q = quantize_blocks(x, spec, key, fn=fn)
+    values = (F.e2m1_values(q.codes) * q.s_b).astype(jnp.bfloat16)  # exact: 2 x 4 significant bits
+    return values.reshape(x.shape), q.decode
 
 
 # --- public API -------------------------------------------------------------------------------
@@ -197,10 +236,8 @@ def nvfp4_gemm_operand(
     dequantize(quantize_nvfp4(x, same args))`. Non-finite input gives NaN values.
     Arguments as for `quantize_nvfp4`.
     """
-    axis = _check_args(x, axis, two_d, rht, stochastic, key, "nvfp4_gemm_operand")
-    codes, s_b, _, amax = _quantize_codes(x, axis, two_d, rht, stochastic, key)
-    values = (F.e2m1_values(codes) * s_b).astype(jnp.bfloat16)  # exact: 2 x 4 significant bits
-    return values.reshape(x.shape), decode_scale(amax)
+    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    return gemm_operand(x, spec, key, fn="nvfp4_gemm_operand")
 
 
 def quantize_nvfp4(
@@ -222,16 +259,22 @@ def quantize_nvfp4(
     A tensor containing NaN or Inf quantizes to one that dequantizes to all NaN.
     Raises ValueError on bad shapes, dtypes or argument combinations.
     """
-    axis = _check_args(x, axis, two_d, rht, stochastic, key, "quantize_nvfp4")
-    codes, _, scales, amax = _quantize_codes(x, axis, two_d, rht, stochastic, key)
+    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    return pack(x.shape, quantize_blocks(x, spec, key, fn="quantize_nvfp4"), spec)
+
+
+def pack(shape, q: BlockCodes, spec: OperandSpec) -> NVFP4Tensor:
+    """The storage form (`NVFP4Tensor`) of the block quantizer's result for `spec` (its axis
+    normalized, as `check_operand` returns it)."""
+    axis = 1 if spec.two_d else F.normalize_axis(spec.axis, len(shape), "pack")
     return NVFP4Tensor(
-        codes=F.pack_nibbles(codes.reshape(x.shape), axis),
-        scales=scales,
-        amax=amax,
-        shape=tuple(x.shape),
+        codes=F.pack_nibbles(q.codes.reshape(shape), axis),
+        scales=q.scales,
+        amax=q.amax,
+        shape=tuple(shape),
         axis=axis,
-        two_d=two_d,
-        rht=rht,
+        two_d=spec.two_d,
+        rht=spec.rht,
     )
 
 

@@ -2,13 +2,19 @@
 
 A recipe is data. `Recipe` holds the numerics choices, `RECIPES` maps the user-facing flag
 strings (MaxText's names) to instances, and `get_recipe` resolves a flag or passes a recipe
-through. `nvfp4_jax.quant.dot` turns a recipe into a quantized `dot_general`.
+through; `operand_specs` says how each GEMM operand of the recipe is quantized.
+`nvfp4_jax.quant.dot` turns a recipe into a quantized `dot_general`.
+
+This module imports no jax: `nvfp4_jax.config` takes its flag choices from here, so a bad flag
+fails before jax is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping, Union
+from typing import Literal, Mapping, Optional, Union
+
+from nvfp4_jax.quant.spec import ROLES, OperandSpec
 
 Format = Literal["bf16", "nvfp4", "mxfp4", "fp8"]
 
@@ -104,6 +110,12 @@ RECIPES: Mapping[str, Recipe] = {
 }
 
 
+# Which code runs the quantized GEMMs (`quantization_backend`, see `nvfp4_jax.quant.backends`)
+# and who computes NVFP4 operands (`quant_kernels`, see `nvfp4_jax.kernels.select`).
+BACKENDS = ("auto", "emulated", "xla", "te")
+QUANT_KERNELS = ("auto", "pallas", "jnp")
+
+
 def get_recipe(flag_or_recipe: Union[str, Recipe]) -> Recipe:
     """Returns the `Recipe` for a flag string (e.g. "te_nvfp4"), or the recipe itself.
 
@@ -123,3 +135,38 @@ def recipe_name(recipe: Recipe) -> str:
         if flag and r == recipe:
             return flag
     return repr(recipe)
+
+
+def operand_specs(recipe: Recipe) -> dict[str, Optional[OperandSpec]]:
+    """How `recipe` quantizes each operand of its three GEMMs, by role (`spec.ROLES` order).
+
+    None marks an operand the backward does not quantize again: it reuses the forward's
+    quantized tensor (`w_dgrad`: W under 16x16 tiles, or any FP8 W; `x_wgrad`: FP8 X) or the
+    DGRAD copy (`dy_wgrad`: FP8 dY). Per-tensor FP8 operands have no block axis (axis None).
+    A BF16 recipe quantizes nothing: {}.
+    """
+    r = recipe
+    if r.format == "nvfp4":
+        sr = r.sr_gradients
+        specs = dict(
+            x=OperandSpec("x", axis=1),
+            w=OperandSpec("w", axis=0, two_d=r.two_d_weights),
+            dy=OperandSpec("dy", axis=1, stochastic=sr),
+            # 16x16 tiles make the quantized W its own transpose: DGRAD reuses it.
+            w_dgrad=None if r.two_d_weights else OperandSpec("w_dgrad", axis=1),
+            x_wgrad=OperandSpec("x_wgrad", axis=0, rht=r.rht_wgrad),
+            dy_wgrad=OperandSpec("dy_wgrad", axis=0, rht=r.rht_wgrad, stochastic=sr),
+        )
+    elif r.format == "mxfp4":
+        specs = dict(
+            x=OperandSpec("x", axis=1), w=OperandSpec("w", axis=0), dy=OperandSpec("dy", axis=1),
+            w_dgrad=OperandSpec("w_dgrad", axis=1), x_wgrad=OperandSpec("x_wgrad", axis=0),
+            dy_wgrad=OperandSpec("dy_wgrad", axis=0),
+        )
+    elif r.format == "fp8":
+        # Per-tensor scales make every quantized tensor its own transpose.
+        specs = dict(x=OperandSpec("x", axis=None), w=OperandSpec("w", axis=None),
+                     dy=OperandSpec("dy", axis=None))
+    else:
+        return {}
+    return {role: specs.get(role) for role in ROLES}

@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -61,6 +61,14 @@ class TEBackend:
     GEMM (quantizers, three GEMMs, state) of any recipe it has (NVFP4 and FP8)."""
 
     name: str = "te"
+    replaces_dot: ClassVar[bool] = True
+
+    def scope(self):
+        """TE's MeshResource for our mesh (TE's partitioning reads it while tracing)."""
+        from nvfp4_jax import sharding  # the mesh's axis names, defined once there
+
+        data, fsdp = sharding.BATCH_AXES
+        return mesh_resource_scope(dp_axis=data, fsdp_axis=fsdp)
 
 
 TE = TEBackend()

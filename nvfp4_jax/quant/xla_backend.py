@@ -11,7 +11,7 @@ block-scaled GEMM. Its contract (jax 0.10.2 `jax/_src/nn/functions.py` and
 other NVIDIA GPUs rewrites the call into dequantize-then-dot with the same meaning; there is no
 CPU lowering.
 
-The operands fed to it are exactly the emulated recipe's (`nvfp4._quantize_codes`: same codes,
+The operands fed to it are exactly the emulated recipe's (`nvfp4.quantize_blocks`: same codes,
 same E4M3 block scales): codes become `float4_e2m1fn` (exact), laid out with the block axis,
 which is always the GEMM's contraction axis, last. A 2D-scaled weight is seen from both sides:
 one set of codes, its 16x16 tile scales repeated along N for FPROP (contracting K) and along K
@@ -36,6 +36,7 @@ from jax import lax
 
 from . import formats as F
 from . import nvfp4
+from .spec import OperandSpec
 
 F4 = jnp.float4_e2m1fn
 E4M3 = jnp.float8_e4m3fn
@@ -75,6 +76,29 @@ jax.tree_util.register_dataclass(
 )
 
 
+def block_scaled_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "block_scaled_operand"):
+    """NVFP4-quantize the 2-D GEMM operand `x` as `spec` says, into `scaled_matmul`'s form
+    (`BlockScaledOperand`): the xla backend's operand quantizer."""
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(
+            f"{fn}: GEMM operands are 2-D (leading dims flattened into tokens); got shape "
+            f"{getattr(x, 'shape', None)}"
+        )
+    q = nvfp4.quantize_blocks(x, spec, key, fn=fn)
+    # Transposes happen on float32 values, before the exact cast to float4.
+    values = F.e2m1_values(q.codes).reshape(x.shape)
+    if spec.two_d:
+        tiles = q.scales  # (K // 16, N // 16)
+        by_k = jnp.repeat(tiles.T, F.NVFP4_BLOCK, axis=0)  # (N, K // 16): FPROP contracts K
+        by_n = jnp.repeat(tiles, F.NVFP4_BLOCK, axis=0)  # (K, N // 16): DGRAD contracts N
+        return BlockScaledOperand((values.T.astype(F4), values.astype(F4)), (by_k, by_n), q.decode, (0, 1))
+    axis = F.normalize_axis(spec.axis, 2, fn)
+    scales = q.scales
+    if axis == 0:
+        values, scales = values.T, scales.T
+    return BlockScaledOperand((values.astype(F4),), (scales,), q.decode, (axis,))
+
+
 def xla_operand(
     x: jax.Array,
     *,
@@ -84,31 +108,14 @@ def xla_operand(
     stochastic: bool = False,
     key: jax.Array | None = None,
 ) -> BlockScaledOperand:
-    """NVFP4-quantize the 2-D GEMM operand `x` into `scaled_matmul`'s form.
+    """`block_scaled_operand` with `quantize_nvfp4`'s keyword arguments.
 
-    Arguments as for `quantize_nvfp4`; the codes and scales are bitwise those of
-    `quantize_nvfp4(x, same args)`, so `codes * scales * decode` equals `nvfp4_gemm_operand`'s
-    `values * decode_scale` (transposed to the view's layout).
+    The codes and scales are bitwise those of `quantize_nvfp4(x, same args)`, so
+    `codes * scales * decode` equals `nvfp4_gemm_operand`'s `values * decode_scale` (transposed
+    to the view's layout).
     """
-    fn = "xla_operand"
-    if getattr(x, "ndim", None) != 2:
-        raise ValueError(
-            f"{fn}: GEMM operands are 2-D (leading dims flattened into tokens); got shape "
-            f"{getattr(x, 'shape', None)}"
-        )
-    axis = nvfp4._check_args(x, axis, two_d, rht, stochastic, key, fn)
-    codes, _, scales, amax = nvfp4._quantize_codes(x, axis, two_d, rht, stochastic, key)
-    # Transposes happen on float32 values, before the exact cast to float4.
-    values = F.e2m1_values(codes).reshape(x.shape)
-    decode = nvfp4.decode_scale(amax)
-    if two_d:
-        tiles = scales  # (K // 16, N // 16)
-        by_k = jnp.repeat(tiles.T, F.NVFP4_BLOCK, axis=0)  # (N, K // 16): FPROP contracts K
-        by_n = jnp.repeat(tiles, F.NVFP4_BLOCK, axis=0)  # (K, N // 16): DGRAD contracts N
-        return BlockScaledOperand((values.T.astype(F4), values.astype(F4)), (by_k, by_n), decode, (0, 1))
-    if axis == 0:
-        values, scales = values.T, scales.T
-    return BlockScaledOperand((values.astype(F4),), (scales,), decode, (axis,))
+    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    return block_scaled_operand(x, spec, key, fn="xla_operand")
 
 
 def scaled_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
@@ -235,6 +242,7 @@ def _probe(device) -> ScaledMatmulProbe:
 
 
 def probe_scaled_matmul(device=None) -> ScaledMatmulProbe:
-    """Compile and run a tiny NVFP4 `jax.nn.scaled_matmul` on `device` (default: the first JAX
-    device), once per device per process. Call it at start-up, never while tracing."""
-    return _probe(jax.devices()[0] if device is None else device)
+    """Compile and run a tiny NVFP4 `jax.nn.scaled_matmul` on `device` (default: this process's
+    first local device; a global device of another process cannot run it here), once per device
+    per process. Call it at start-up, never while tracing."""
+    return _probe(jax.local_devices()[0] if device is None else device)

@@ -19,7 +19,6 @@ from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ConfigError, ModelConfig
-from nvfp4_jax.kernels import select as kernel_select
 from nvfp4_jax.model import Llama, layer_blocks, select_attention
 from nvfp4_jax.quant import health
 from nvfp4_jax.train.state import TrainState
@@ -29,44 +28,30 @@ from nvfp4_jax.train.step import make_eval_step, make_quant_stats_step, make_tra
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 
 
-def quantization_backend(model_cfg: ModelConfig) -> quant.BackendChoice:
-    """`quantization_backend` resolved for the MLP recipe on this process's devices (once, at
-    start-up: it may compile a tiny probe). A backend that cannot run here is a ConfigError."""
+def quantization_backend(model_cfg: ModelConfig) -> quant.Backend:
+    """The backend of the MLP GEMMs (`quantization_backend`, `quant_kernels`) resolved on this
+    process's devices, once, at start-up (it may compile a tiny probe and run the kernels'
+    self-check). A backend that cannot run here is a ConfigError."""
     try:
-        return quant.choose_backend(model_cfg.quantization_backend, model_cfg.quantization)
+        return quant.resolve_backend(
+            model_cfg.quantization_backend, model_cfg.quantization, model_cfg.quant_kernels,
+            allow_xla_fallback=model_cfg.xla_dequantize_fallback,
+        )
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from err
 
 
-def _uses_nvfp4(model_cfg: ModelConfig) -> bool:
-    return quant.get_recipe(model_cfg.quantization).format == "nvfp4"
-
-
-def nvfp4_backend(model_cfg: ModelConfig, backend: quant.BackendChoice) -> quant.NVFP4Backend:
-    """The NVFP4 GEMMs' backend: the chosen GEMM executor (`quantization_backend`) and, for the
-    emulated GEMM, operands from the `quant_kernels` choice (the xla backend's operands carry
-    codes and scales, which the kernels do not produce yet)."""
-    gemm = quant.make_backend(backend.name)
-    if not _uses_nvfp4(model_cfg) or gemm.name != "emulated":
-        return gemm
-    return kernel_select.with_operand_kernels(gemm, kernel_select.operand_kernels(model_cfg.quant_kernels))
-
-
-def quant_kernels_line(model_cfg: ModelConfig, backend: quant.BackendChoice) -> str | None:
+def quant_kernels_line(model_cfg: ModelConfig, backend: quant.Backend) -> str | None:
     """The start-up line saying who quantizes NVFP4 operands and why (None without NVFP4)."""
-    if not _uses_nvfp4(model_cfg):
-        return None
-    if backend.name != "emulated":
-        return f"NVFP4 operands: jnp (the {backend.name} backend quantizes its own operands)"
-    kernels = kernel_select.operand_kernels(model_cfg.quant_kernels)
-    return f"NVFP4 operands: {kernels.name} ({kernels.reason})"
+    del model_cfg  # decided with the backend
+    return None if backend.operands is None else f"NVFP4 operands: {backend.operands}"
 
 
 def build_model(
     model_cfg: ModelConfig,
     *,
     quantized: bool = True,
-    backend: quant.BackendChoice | None = None,
+    backend: quant.Backend | None = None,
     quant_stats: bool = False,
 ) -> Llama:
     """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
@@ -80,12 +65,16 @@ def build_model(
     mlp_dot = attention_dot = None
     if quantized:
         backend = backend or quantization_backend(model_cfg)
-        mlp_dot = quant.dot_general_factory(
-            model_cfg.quantization, nvfp4_backend=nvfp4_backend(model_cfg, backend),
-            quant_stats=quant_stats,
+        # MaxText casts the fp32 kernel to the compute dtype before its dot and TE quantizes that
+        # copy; quantize_fp32_kernel=true quantizes the master kernel instead.
+        kernel_dtype = None if model_cfg.quantize_fp32_kernel else model_cfg.dtype
+        mlp_dot = backend.dot_general_factory(
+            model_cfg.quantization, quant_stats=quant_stats, kernel_dtype=kernel_dtype
         )
         if model_cfg.attention_quantization == "fp8":
-            attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE, quant_stats=quant_stats)
+            attention_dot = quant.dot_general_factory(
+                ATTENTION_FP8_RECIPE, quant_stats=quant_stats, kernel_dtype=kernel_dtype
+            )
     kernel = select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length).kernel
     platform = jax.devices()[0].platform
     if kernel == "cudnn_flash" and platform != "gpu":
@@ -150,24 +139,15 @@ def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_l
     )
 
 
-def _runs_on_te(model: Llama) -> bool:
-    factory = model.mlp_dot_general_cls
-    return isinstance(getattr(factory, "keywords", {}).get("nvfp4_backend"), quant.TEBackend)
-
-
 def backend_scope(model: Llama):
     """What tracing and compiling `model` needs around it: TE's MeshResource when its MLP runs
     on Transformer Engine (TE's partitioning reads it), nothing otherwise."""
-    if not _runs_on_te(model):
-        return contextlib.nullcontext()
-    data, fsdp = sharding.BATCH_AXES
-    return quant.te_backend.mesh_resource_scope(dp_axis=data, fsdp_axis=fsdp)
+    factory = model.mlp_dot_general_cls
+    return contextlib.nullcontext() if factory is None else factory.scope()
 
 
 def _in_scope(model: Llama, step):
     """`step` (a `sharded_jit` callable) and its `.lower`, called under `backend_scope(model)`."""
-    if not _runs_on_te(model):
-        return step
 
     @functools.wraps(step)
     def call(*args):
@@ -225,7 +205,7 @@ def jit_eval_step(model, mesh: Mesh, state_sh):
 
 
 def jit_quant_stats_step(
-    model_cfg: ModelConfig, mesh: Mesh, state_sh, *, backend: quant.BackendChoice | None = None
+    model_cfg: ModelConfig, mesh: Mesh, state_sh, *, backend: quant.Backend | None = None
 ):
     """The jitted `make_quant_stats_step` of `model_cfg` (its own model, whose dots measure their
     operands; `backend` as in `build_model`), or None when no GEMM is quantized."""

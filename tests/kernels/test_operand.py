@@ -15,6 +15,7 @@ from nvfp4_jax import kernels
 from nvfp4_jax.kernels import Copy, fused_quantize
 from nvfp4_jax.kernels.operand import kernel_copy
 from nvfp4_jax.nvfp4_spec import spread_data
+from nvfp4_jax.quant.spec import OperandSpec
 from nvfp4_jax.quant import nvfp4_gemm_operand, quantize_nvfp4
 
 KEYS = jax.random.split(jax.random.key(11), 2)
@@ -34,7 +35,8 @@ KEYS = jax.random.split(jax.random.key(11), 2)
 def test_which_calls_reach_the_kernels(shape, kw, blocks):
     args = dict(dict(axis=-1, two_d=False, rht=False), **kw)
     axis = args["axis"] % len(shape)
-    copy = kernel_copy(shape, axis=axis, two_d=args["two_d"], rht=args["rht"], stochastic=True, packed=False)
+    spec = OperandSpec(axis=axis, two_d=args["two_d"], rht=args["rht"], stochastic=True)
+    copy = kernel_copy(shape, spec, packed=False)
     assert (copy.blocks if copy else None) == blocks
     if copy:
         assert copy.rht == args["rht"] and copy.stochastic and not copy.packed

@@ -12,7 +12,8 @@ from nvfp4_jax import kernels
 from nvfp4_jax.config import ConfigError, make_config
 from nvfp4_jax.kernels import select
 from nvfp4_jax.kernels.quantize import fused_quantize
-from nvfp4_jax.quant import EMULATED, NVFP4Backend, make_dot_general, nvfp4_gemm_operand
+from nvfp4_jax.quant import EMULATED, NVFP4Backend, gemm_operand, make_dot_general, nvfp4_gemm_operand
+from nvfp4_jax.quant.spec import OperandSpec
 from nvfp4_jax.train import build
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -20,7 +21,7 @@ DIMS = (((1,), (0,)), ((), ()))
 
 def test_choices_on_cpu():
     jnp_choice = select.operand_kernels("jnp")
-    assert jnp_choice.name == "jnp" and jnp_choice.operand is nvfp4_gemm_operand
+    assert jnp_choice.name == "jnp" and jnp_choice.operand is gemm_operand
     auto = select.operand_kernels("auto")
     assert auto.name == "jnp" and "need an NVIDIA GPU" in auto.reason
     pallas = select.operand_kernels("pallas")
@@ -37,12 +38,13 @@ def test_config_key_and_startup_line():
     nvfp4 = make_config({"quantization": "te_nvfp4", "quant_kernels": "pallas"}).model
     backend = build.quantization_backend(nvfp4)  # emulated here (no GPU)
     assert build.quant_kernels_line(nvfp4, backend).startswith("NVFP4 operands: pallas (quant_kernels=pallas")
-    assert build.nvfp4_backend(nvfp4, backend).operand.func is kernels.gemm_operand
+    assert backend.executor.operand.func is kernels.operand.spec_operand
     fp8 = make_config({"quantization": "te_fp8_currentscaling"}).model
-    assert build.quant_kernels_line(fp8, backend) is None and build.nvfp4_backend(fp8, backend) is EMULATED
+    fp8_backend = build.quantization_backend(fp8)
+    assert build.quant_kernels_line(fp8, fp8_backend) is None and fp8_backend.executor is EMULATED
     # The model's MLP dots carry the chosen backend.
-    model = build.build_model(nvfp4)
-    assert model.mlp_dot_general_cls.keywords["nvfp4_backend"].name == "emulated+pallas"
+    model = build.build_model(nvfp4, backend=backend)
+    assert model.mlp_dot_general_cls.nvfp4_backend.name == "emulated+pallas"
 
 
 def test_with_operand_kernels_keeps_the_gemm():
@@ -82,8 +84,8 @@ def test_backward_hands_dy_to_operand_pair_once():
     def pair(x, first, second):
         # The keys are tracers here; the outputs' equality below pins them (a swapped or shared
         # key would change the SR bits).
-        calls.append((x.shape, *({k: v for k, v in kw.items() if k != "key"} for kw in (first, second))))
-        return nvfp4_gemm_operand(x, **first), nvfp4_gemm_operand(x, **second)
+        calls.append((x.shape, first[0], second[0]))
+        return gemm_operand(x, *first), gemm_operand(x, *second)
 
     recorder = NVFP4Backend("recorder", operand_pair=pair)
     key = jax.random.key(3)
@@ -99,8 +101,8 @@ def test_backward_hands_dy_to_operand_pair_once():
     got, want = run(recorder), run(EMULATED)
     [(shape, first, second)] = calls
     assert shape == g.shape
-    assert first == dict(axis=1, stochastic=True)
-    assert second == dict(axis=0, rht=True, stochastic=True)
+    assert first == OperandSpec("dy", axis=1, stochastic=True)
+    assert second == OperandSpec("dy_wgrad", axis=0, rht=True, stochastic=True)
     assert_same_bits(got, want)
 
 

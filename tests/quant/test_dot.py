@@ -283,10 +283,10 @@ def _rotate_f32(x, axis):
     return jnp.moveaxis(y.reshape(x.shape), 0, axis)
 
 
-def _identity_operand(x, *, axis=-1, two_d=False, rht=False, stochastic=False, key=None):
+def _identity_operand(x, spec, key=None):
     """A 'quantizer' that does not round: the RHT (if asked) and a unit decode scale."""
-    del two_d, stochastic, key
-    return (_rotate_f32(x, axis) if rht else x), jnp.float32(1.0)
+    del key
+    return (_rotate_f32(x, spec.axis) if spec.rht else x), jnp.float32(1.0)
 
 
 IDENTITY_BACKEND = NVFP4Backend("identity", _identity_operand, emulated_gemm)

@@ -262,7 +262,7 @@ def test_flax_module_delegates_to_te_and_casts_its_output(fake_te, preferred, wa
 def test_init_train_and_eval_run_under_tes_mesh_resource(fake_te):
     """build.py enters TE's MeshResource around init, the train step and the eval step, and init
     provides TE's rng stream: the fake TE asserts both, as real TE does."""
-    from nvfp4_jax.quant import BackendChoice
+    from nvfp4_jax.quant import Backend
     from nvfp4_jax.sharding import make_mesh
     from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step
     from nvfp4_jax.train.optimizer import make_optimizer
@@ -270,7 +270,7 @@ def test_init_train_and_eval_run_under_tes_mesh_resource(fake_te):
     fake = fake_te()
     cfg = load_config(["model_name=tiny", "base_num_decoder_layers=1", "max_target_length=16",
                        "quantization=te_nvfp4", "quantization_backend=te"])
-    model = build_model(cfg.model, backend=BackendChoice("te", "test"))
+    model = build_model(cfg.model, backend=Backend("te", "test", TE))
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     optimizer = make_optimizer(cfg.train)
     state, state_sh = init_state(model, optimizer, 16, mesh, 0)

@@ -70,7 +70,8 @@ def test_stats_step_measures_each_quantized_projection_and_its_weight():
     for proj, operands in stats.items():
         assert set(operands) == {"x", "w", "dy", "x_wgrad", "dy_wgrad"}
         kernel = state.params["layers_1"]["mlp"][proj.split("/")[-1]]["kernel"]
-        want = jax.jit(lambda k: health.nvfp4_stats(k, axis=0, two_d=True))(kernel)
+        # The dot quantizes the kernel in the compute dtype (bf16), as MaxText + TE do.
+        want = jax.jit(lambda k: health.nvfp4_stats(k.astype(jnp.bfloat16), axis=0, two_d=True))(kernel)
         for name, value in want.items():
             np.testing.assert_allclose(operands["w"][name], float(value), rtol=1e-5, err_msg=f"{proj} {name}")
         for op, values in operands.items():
