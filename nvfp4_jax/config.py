@@ -43,7 +43,8 @@ REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_e
 QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
 # Who computes NVFP4 GEMM operands (nvfp4_jax.kernels.select): auto, the Pallas kernels, jnp.
 QUANT_KERNELS = ("auto", "pallas", "jnp")
-DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
+DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens", "grain", "hf")
+TOKENIZER_TYPES = ("bytes", "huggingface", "sentencepiece", "tiktoken")
 PROFILERS = ("", "xplane")
 
 
@@ -105,6 +106,27 @@ class DataConfig:
     token_dtype: str = "uint16"
     # Fraction of the corpus (its tail) held out for evaluation.
     eval_fraction: float = 0.05
+    # --- Documents: tokenizers, Grain / Hugging Face files, packing (nvfp4_jax/data) ---
+    # grain: local ArrayRecord (from `python -m nvfp4_jax.data prepare`) or Parquet files; hf:
+    # local JSONL/Parquet/Arrow files through `datasets`, offline. Comma-separated globs. Without
+    # eval files the last eval_fraction of the train documents is held out.
+    grain_train_files: str = ""
+    grain_eval_files: str = ""
+    # Threads that tokenize text documents at start-up (the batches do not depend on it).
+    grain_worker_count: int = 1
+    # A `datasets` builder (json, parquet, arrow) or a local dataset folder; empty: from the suffix.
+    hf_path: str = ""
+    hf_train_files: str = ""
+    hf_eval_files: str = ""
+    # The text column of JSONL/Parquet/Arrow rows (MaxText's name; one column).
+    train_data_columns: str = "text"
+    # bytes | huggingface (tokenizer.json) | sentencepiece (.model) | tiktoken (BPE file).
+    tokenizer_type: str = "bytes"
+    tokenizer_path: str = ""
+    add_bos: bool = True
+    add_eos: bool = True
+    # Several documents per row with segment ids and positions (MaxText's default), or one per row.
+    packing: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +202,8 @@ RESUME_MUTABLE_KEYS = (
     "remat_policy", "num_vocab_tiling",
     # Another backend runs the same numerics where the state trees agree (checked on resume).
     "quantization_backend",
+    # Tokenizing threads; the batches do not depend on them.
+    "grain_worker_count",
 )
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
@@ -423,6 +447,7 @@ def validate(cfg: Config) -> None:
     _check(d.token_dtype in ("uint16", "uint32", "int32"), "token_dtype", d.token_dtype,
            "uint16, uint32 or int32")
     _check(0.0 < d.eval_fraction < 1.0, "eval_fraction", d.eval_fraction, "must lie in (0, 1)")
+    _validate_document_keys(d)
     for key in ("steps", "per_device_batch_size", "log_period", "eval_interval", "eval_steps",
                 "checkpoint_period", "max_checkpoints_to_keep", "profile_steps"):
         _check(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
@@ -449,6 +474,22 @@ def validate(cfg: Config) -> None:
     for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism"):
         value = getattr(mesh, key)
         _check(value == -1 or value > 0, key, value, "must be a positive integer or -1")
+
+
+def _validate_document_keys(d: DataConfig) -> None:
+    """The tokenizer, Grain/HF file and packing keys (files are checked when the data is opened)."""
+    _check(d.tokenizer_type in TOKENIZER_TYPES, "tokenizer_type", d.tokenizer_type,
+           f"choose one of {list(TOKENIZER_TYPES)}")
+    if d.tokenizer_type != "bytes":
+        _check(bool(d.tokenizer_path), "tokenizer_path", d.tokenizer_path,
+               f"tokenizer_type={d.tokenizer_type!r} needs a local tokenizer file")
+    _check(d.grain_worker_count >= 0, "grain_worker_count", d.grain_worker_count, "must be >= 0")
+    files_key = {"grain": "grain_train_files", "hf": "hf_train_files"}.get(d.dataset_type)
+    if files_key:
+        _check(bool(getattr(d, files_key)), files_key, getattr(d, files_key),
+               f"dataset_type={d.dataset_type!r} needs local files (a comma-separated list of globs)")
+    _check(bool(d.train_data_columns) and "," not in d.train_data_columns, "train_data_columns",
+           d.train_data_columns, "one column name")
 
 
 def _validate_layout_keys(m: ModelConfig) -> None:

@@ -8,7 +8,7 @@ import pytest
 from nvfp4_jax import data
 from nvfp4_jax.config import DataConfig
 
-ASSETS = pathlib.Path(data.__file__).parent / "assets"
+ASSETS = pathlib.Path(data.__file__).parent.parent / "assets"
 SHAKESPEARE = DataConfig(dataset_type="shakespeare")
 
 

@@ -1,4 +1,5 @@
-"""Deterministic, resumable token batches.
+"""Step-indexed windows of one token stream (the `shakespeare`, `synthetic`, `text` and `tokens`
+dataset types; `documents.py` serves `grain` and `hf`).
 
 Sources (`DataConfig.dataset_type`):
 - `shakespeare`: the bundled corpus (`assets/shakespeare.txt.xz`, see `assets/SHAKESPEARE.md`),
@@ -29,15 +30,12 @@ import os
 import numpy as np
 
 from nvfp4_jax.config import DataConfig
+from nvfp4_jax.data.errors import DataError
 
 BYTE_VOCAB_SIZE = 256
 SPLITS = {"train": 0, "eval": 1}
 # Tokens per chunk when scanning a memory-mapped file for its largest id.
 _SCAN_CHUNK = 1 << 24
-
-
-class DataError(ValueError):
-    """A data source that cannot feed the requested batches."""
 
 
 def encode(text: str) -> np.ndarray:
@@ -89,6 +87,14 @@ class TokenBatches:
         start, stop = self.token_range
         return (f"{self.name} {self.split}: {self.num_tokens:,} tokens "
                 f"([{start:,}, {stop:,}) of {len(self.tokens):,})")
+
+    def notice(self, step: int) -> str | None:
+        """Windows are drawn anywhere in the split at every step: there are no epochs to announce."""
+        return None
+
+    def eval_limit(self, steps: int) -> tuple[int, str | None]:
+        """Every requested eval batch exists (windows may overlap)."""
+        return steps, None
 
     def _rng(self, step: int, *extra: int) -> np.random.Generator:
         if step < 0:
@@ -169,8 +175,9 @@ def _check_ids(tokens: np.ndarray, start: int, stop: int, vocab_size: int, name:
 
 
 def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: int, split: str,
-                 vocab_size: int) -> TokenBatches:
-    """The batches of `split` ("train" or "eval") of the source `data_cfg` describes.
+                 vocab_size: int):
+    """The batches of `split` ("train" or "eval") of the source `data_cfg` describes: a
+    TokenBatches, or a documents.DocumentBatches for `grain` and `hf` (the same interface).
 
     Raises DataError for a missing file, a file whose ids do not fit `vocab_size` or a split
     shorter than one `seq_len + 1` window. `warnings` holds softer findings (ids that look like a
@@ -182,6 +189,11 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         raise DataError(f"seq_len={seq_len}, global_batch_size={global_batch_size} and "
                         f"vocab_size={vocab_size} must all be positive.")
     kind = data_cfg.dataset_type
+    if kind in ("grain", "hf"):
+        from nvfp4_jax.data.documents import make_document_batches
+
+        return make_document_batches(data_cfg, seq_len=seq_len, global_batch_size=global_batch_size,
+                                     seed=seed, split=split, vocab_size=vocab_size)
     common = dict(split=split, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed,
                   vocab_size=vocab_size)
     if kind == "synthetic":
@@ -194,7 +206,7 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         dtype = np.dtype(data_cfg.token_dtype)
         name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, dtype, kind)
     else:
-        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens.")
+        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens, grain, hf.")
 
     total = len(tokens)
     boundary = total - int(total * data_cfg.eval_fraction)
