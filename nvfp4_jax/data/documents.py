@@ -179,8 +179,8 @@ def _meta_warnings(data_cfg: DataConfig, patterns: str) -> tuple[str, ...]:
                                    for f in sources.expand(patterns, "files")):
         meta = sources.read_meta(directory) or {}
         made = meta.get("tokenizer", {})
-        if made and (made.get("tokenizer_type"), made.get("tokenizer_path")) != (
-                data_cfg.tokenizer_type, data_cfg.tokenizer_path):
+        configured = os.path.abspath(os.path.expanduser(data_cfg.tokenizer_path)) if data_cfg.tokenizer_path else ""
+        if made and (made.get("tokenizer_type"), made.get("tokenizer_path")) != (data_cfg.tokenizer_type, configured):
             out.append(f"{directory} was prepared with tokenizer_type={made.get('tokenizer_type')!r} "
                        f"tokenizer_path={made.get('tokenizer_path')!r}, but this config names "
                        f"tokenizer_type={data_cfg.tokenizer_type!r} tokenizer_path={data_cfg.tokenizer_path!r}")
