@@ -1,0 +1,187 @@
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import corpora  # noqa: E402
+
+from nvfp4_jax import data  # noqa: E402
+from nvfp4_jax.config import DataConfig  # noqa: E402
+from nvfp4_jax.data import packing  # noqa: E402
+from nvfp4_jax.data.__main__ import prepare  # noqa: E402
+
+BOS, EOS = 256, 257
+
+
+def _make(cfg, *, split="train", seq_len=8, batch=2, seed=0, vocab_size=258):
+    return data.make_dataset(cfg, seq_len=seq_len, global_batch_size=batch, seed=seed, split=split,
+                             vocab_size=vocab_size)
+
+
+def _corpus(tmp_path, texts, name="docs.parquet"):
+    return corpora.write_parquet(tmp_path / name, texts)
+
+
+def test_eval_rows_are_the_hand_packing_of_the_file_order(tmp_path):
+    # Bytes with BOS/EOS: "ab" -> 3 pairs, "cde" -> 4, "f" -> 2. Rows of 8: [3 + 4], [2].
+    eval_file = _corpus(tmp_path, ["ab", "cde", "f"], "eval.parquet")
+    cfg = DataConfig(dataset_type="grain", grain_train_files=_corpus(tmp_path, ["xyz"] * 4),
+                     grain_eval_files=eval_file)
+    ds = _make(cfg, split="eval")
+    got = ds.batch(0)
+    assert set(got) == set(packing.BATCH_KEYS) and all(v.shape == (2, 8) for v in got.values())
+    np.testing.assert_array_equal(got["inputs"], [[BOS, 97, 98, BOS, 99, 100, 101, 0], [BOS, 102, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(got["targets"], [[97, 98, EOS, 99, 100, 101, EOS, 0], [102, EOS, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(got["inputs_segmentation"], [[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(got["targets_segmentation"], got["inputs_segmentation"])
+    np.testing.assert_array_equal(got["inputs_position"], [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 0, 0, 0, 0, 0]])
+    assert ds.num_batches == 1
+    # Padded instead: one document per row.
+    padded = _make(DataConfig(**{**cfg.__dict__, "packing": False}), split="eval", batch=3)
+    np.testing.assert_array_equal(padded.batch(0)["inputs"][1], [BOS, 99, 100, 101, 0, 0, 0, 0])
+    np.testing.assert_array_equal(padded.batch(0)["targets_segmentation"].sum(axis=1), [3, 4, 2])
+
+
+def test_an_exhausted_eval_set_is_cut_and_said_so(tmp_path):
+    cfg = DataConfig(dataset_type="grain", grain_train_files=_corpus(tmp_path, ["xyz"] * 4),
+                     grain_eval_files=_corpus(tmp_path, ["ab", "cde", "f"], "eval.parquet"))
+    ds = _make(cfg, split="eval", batch=1)  # 2 rows: 2 batches
+    assert ds.eval_limit(2) == (2, None)
+    count, line = ds.eval_limit(5)
+    assert count == 2 and re.search(r"holds 2 rows: 2 batches of 1, not eval_steps=5", line)
+    # A batch past the end is padding only: nothing in it counts.
+    assert not ds.batch(7)["targets_segmentation"].any()
+
+
+def test_train_epochs_visit_every_document_once_reshuffled(tmp_path):
+    texts = [f"document number {i}" for i in range(40)]
+    cfg = DataConfig(dataset_type="grain", grain_train_files=_corpus(tmp_path, texts), eval_fraction=0.1)
+    ds = _make(cfg, seq_len=48, batch=4)
+    assert len(ds.docs) == 36 and _make(cfg, split="eval").docs.num_tokens == sum(len(t) + 2 for t in texts[36:])
+    tok = data.load_tokenizer("bytes")
+    rows_per_epoch = [ds.rows_in_epoch(e) for e in range(3)]
+    steps = sum(rows_per_epoch[:2]) // 4
+    rows = {k: np.concatenate([ds.batch(s)[k] for s in range(steps + 1)]) for k in packing.BATCH_KEYS}
+
+    def documents(lo, hi):  # the texts of rows [lo, hi)
+        out = []
+        for r in range(lo, hi):
+            for seg in range(1, rows["inputs_segmentation"][r].max() + 1):
+                mask = rows["inputs_segmentation"][r] == seg
+                out.append(tok.decode(np.append(rows["inputs"][r][mask], rows["targets"][r][mask][-1])))
+        return out
+
+    first, second = documents(0, rows_per_epoch[0]), documents(rows_per_epoch[0], sum(rows_per_epoch[:2]))
+    assert sorted(first) == sorted(second) == sorted(texts[:36])
+    assert first != second  # reshuffled
+    assert first != texts[:36]
+    # The notice comes with the batch that holds the first row of epoch 2, and only then.
+    notices = {s: ds.notice(s) for s in range(steps + 1) if ds.notice(s)}
+    starts = [rows_per_epoch[0] // 4, sum(rows_per_epoch[:2]) // 4]
+    assert list(notices) == [s for s in starts if s <= steps]
+    assert "starts epoch 2" in notices[starts[0]]
+
+
+def test_batches_are_pure_functions_of_the_step_and_shard_by_process(tmp_path):
+    texts = [("word " * (i % 7 + 1)).strip() for i in range(30)]
+    cfg = DataConfig(dataset_type="grain", grain_train_files=_corpus(tmp_path, texts))
+    ds, fresh = _make(cfg, seq_len=16, batch=4), _make(cfg, seq_len=16, batch=4)
+    for step in (0, 5, 13):  # a later step first: a resumed run starts there
+        later = fresh.batch(step)
+        for k in packing.BATCH_KEYS:
+            np.testing.assert_array_equal(later[k], ds.batch(step)[k])
+        parts = [ds.batch(step, i, 2) for i in range(2)]
+        for k in packing.BATCH_KEYS:
+            np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), later[k])
+    assert not np.array_equal(ds.batch(0)["inputs"], _make(cfg, seq_len=16, batch=4, seed=1).batch(0)["inputs"])
+    with pytest.raises(data.DataError, match="divisible by process_count=3"):
+        ds.batch(0, 0, 3)
+
+
+def _array_record(tmp_path, texts, **kwargs):
+    jsonl = corpora.write_jsonl(tmp_path / "corpus.jsonl", texts)
+    prepare([jsonl], str(tmp_path / "prepared"), progress=False, **kwargs)
+    return str(tmp_path / "prepared" / "documents.array_record")
+
+
+def test_array_record_hf_jsonl_and_grain_parquet_give_the_same_batches(tmp_path):
+    texts = corpora.TEXTS
+    tokenizer = corpora.huggingface_tokenizer(tmp_path)
+    keys = dict(tokenizer_type="huggingface", tokenizer_path=tokenizer, grain_eval_files="")
+    record = _array_record(tmp_path, texts, tokenizer_path=tokenizer)
+    jsonl = str(tmp_path / "corpus.jsonl")
+    parquet = _corpus(tmp_path, texts)
+    made = [
+        _make(DataConfig(dataset_type="grain", grain_train_files=record, **keys), seq_len=32, batch=4, vocab_size=300),
+        _make(DataConfig(dataset_type="grain", grain_train_files=parquet, **keys), seq_len=32, batch=4, vocab_size=300),
+        _make(DataConfig(dataset_type="hf", hf_train_files=jsonl, tokenizer_type="huggingface",
+                         tokenizer_path=tokenizer), seq_len=32, batch=4, vocab_size=300),
+    ]
+    from tokenizers import Tokenizer
+
+    lib = Tokenizer.from_file(tokenizer)
+    first_doc = [lib.token_to_id("<s>"), *lib.encode(texts[0], add_special_tokens=False).ids, lib.token_to_id("</s>")]
+    np.testing.assert_array_equal(made[0].docs.read([0])[0], first_doc)
+    for step in (0, 3):
+        for other in made[1:]:
+            for k in packing.BATCH_KEYS:
+                np.testing.assert_array_equal(made[0].batch(step)[k], other.batch(step)[k])
+    assert made[0].warnings == ()
+
+
+def test_prepare_records_the_tokenizer_and_training_warns_on_another(tmp_path):
+    record = _array_record(tmp_path, corpora.TEXTS)
+    meta = data.sources.read_meta(os.path.dirname(record))
+    assert meta["documents"] == len(corpora.TEXTS)
+    assert meta["tokens"] == sum(len(t.encode()) + 2 for t in corpora.TEXTS)
+    assert meta["tokenizer"]["tokenizer_type"] == "bytes"
+    other = corpora.huggingface_tokenizer(tmp_path)
+    ds = _make(DataConfig(dataset_type="grain", grain_train_files=record, tokenizer_type="huggingface",
+                          tokenizer_path=other), vocab_size=300)
+    assert len(ds.warnings) == 1 and "prepared with tokenizer_type='bytes'" in ds.warnings[0]
+
+
+def test_bad_document_inputs_are_data_errors(tmp_path):
+    parquet = _corpus(tmp_path, ["some text"] * 4)
+    jsonl = corpora.write_jsonl(tmp_path / "c.jsonl", ["some text"] * 4)
+    cases = [
+        (DataConfig(dataset_type="grain", grain_train_files=str(tmp_path / "none*.array_record")),
+         r"grain_train_files='.*none\*.array_record' matches no file"),
+        (DataConfig(dataset_type="grain", grain_train_files=parquet, train_data_columns="body"),
+         r"docs.parquet has no column 'body' \(train_data_columns\); its columns: \['text', 'n'\]"),
+        (DataConfig(dataset_type="hf", hf_train_files=jsonl, train_data_columns="body"),
+         r"c.jsonl has no column 'body'"),
+        (DataConfig(dataset_type="grain", grain_train_files=f"{parquet},{jsonl}"), r"not a mix"),
+        (DataConfig(dataset_type="grain", grain_train_files=parquet, tokenizer_type="sentencepiece",
+                    tokenizer_path=str(tmp_path / "nope.model")), r"tokenizer_path='.*nope.model' does not exist"),
+    ]
+    for cfg, message in cases:
+        with pytest.raises(data.DataError, match=message):
+            _make(cfg)
+    with pytest.raises(data.DataError, match=r"vocab_size=256 is smaller than the tokenizer bytes"):
+        _make(DataConfig(dataset_type="grain", grain_train_files=parquet), vocab_size=256)
+    one = _corpus(tmp_path, ["only one"], "one.parquet")
+    with pytest.raises(data.DataError, match="holds 1 document.*too few to hold one out"):
+        _make(DataConfig(dataset_type="grain", grain_train_files=one))
+
+
+def test_corrupt_or_foreign_array_records_are_data_errors(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    bad = tmp_path / "bad.array_record"
+    bad.write_bytes(os.urandom(70_000))
+    with pytest.raises(data.DataError, match=r"bad.array_record is not a readable ArrayRecord file"):
+        _make(DataConfig(dataset_type="grain", grain_train_files=str(bad)))
+    odd = tmp_path / "odd.array_record"
+    writer = ArrayRecordWriter(str(odd), "group_size:1")
+    for record in (b"\x01\x00\x00\x00\x02\x00\x00\x00", b"abc"):
+        writer.write(record)
+    writer.close()
+    with pytest.raises(data.DataError, match=r"record 1 has 3 bytes, not int32 token ids"):
+        _make(DataConfig(dataset_type="grain", grain_train_files=str(odd)))
+    record = _array_record(tmp_path, ["the text of a document"] * 3, tokenizer_path=corpora.huggingface_tokenizer(tmp_path))
+    with pytest.raises(data.DataError, match=r"holds token id 2\d\d, but vocab_size=258"):
+        _make(DataConfig(dataset_type="grain", grain_train_files=record))  # bytes: 258 ids
