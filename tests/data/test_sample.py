@@ -1,0 +1,73 @@
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4_jax import sample
+from nvfp4_jax.config import make_config, save_json
+from nvfp4_jax.train.build import build_model
+
+
+def test_next_token_greedy_top_k_and_temperature():
+    rng = np.random.default_rng(0)
+    logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
+    assert sample.next_token(logits, temperature=0.0, top_k=0, rng=rng) == 1
+    assert {sample.next_token(logits, temperature=5.0, top_k=1, rng=rng) for _ in range(50)} == {1}
+    draws = np.array([sample.next_token(logits, temperature=1.0, top_k=2, rng=rng) for _ in range(4000)])
+    assert set(draws.tolist()) == {1, 3}
+    # Top-2 renormalised softmax: p(1) = 1 / (1 + e^-0.5) = 0.6225; 4000 draws: sd 0.0077.
+    assert abs((draws == 1).mean() - 1 / (1 + np.exp(-0.5))) < 0.03
+    hot = np.array([sample.next_token(logits, temperature=2.0, top_k=0, rng=rng) for _ in range(4000)])
+    p = np.exp(logits / 2) / np.exp(logits / 2).sum()
+    np.testing.assert_allclose(np.bincount(hot, minlength=5) / 4000, p, atol=0.03)
+
+
+def test_greedy_generation_is_the_argmax_of_the_unpadded_sequence():
+    cfg = make_config({"model_name": "tiny", "base_num_decoder_layers": 1, "max_target_length": 8,
+                       "base_emb_dim": 64, "base_mlp_dim": 128})
+    model = build_model(cfg.model, quantized=False)
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.tree.map(lambda p: p * 4, nn.meta.unbox(params))  # sharper logits: no near-ties
+    prompt = np.array([72, 101, 108, 108, 111, 32, 119])
+    got = sample.generate(cfg, params, prompt, max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
+    assert len(got) == 4
+    # Reference: the 7 prompt tokens unpadded (generate pads them to the window of 8), then the
+    # last 8 tokens as the window slides.
+    reference = jax.jit(lambda p, tokens: model.apply({"params": p}, tokens)[0, -1])
+    ids = list(prompt)
+    for token in got:
+        assert token == int(jnp.argmax(reference(params, jnp.asarray([ids[-8:]], jnp.int32))))
+        ids.append(token)
+    assert sample.generate(cfg, params, prompt, max_new_tokens=5, temperature=0.0, top_k=0, seed=0,
+                           eos_id=got[2]) == got[:2]
+
+
+def test_run_tokenizer_follows_the_runs_data_keys(tmp_path):
+    stream = make_config({"dataset_type": "shakespeare"})
+    tok, add_bos, stop = sample.run_tokenizer(stream)
+    assert tok.kind == "bytes" and not add_bos and not stop  # byte windows have no BOS/EOS
+    docs = make_config({"dataset_type": "grain", "grain_train_files": "x.array_record", "add_eos": False})
+    assert sample.run_tokenizer(docs)[1:] == (True, False)
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    ("none", [], r"is not a run directory: it has no config.json"),
+    ("config", [], r"has no checkpoints/ folder"),
+    ("config", ["--temperature", "-1"], r"--temperature=-1.0 is not allowed: must be >= 0"),
+    ("config", ["--top-k", "x"], r"argument --top-k: invalid int value: 'x'"),
+])
+def test_sample_user_errors_are_one_line_exit_2(tmp_path, capsys, setup, args, message):
+    run = tmp_path / "run"
+    if setup == "config":
+        run.mkdir()
+        save_json(make_config({}), str(run / "config.json"))
+    assert sample.main([str(run), "--prompt", "To be", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    import re
+
+    assert re.search(message, err[0]), err
