@@ -196,6 +196,8 @@ def hf_texts(hf_path: str, files: list[str], column: str) -> list[str]:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     datasets = require("datasets", "dataset_type='hf'")
+    datasets.disable_progress_bars()  # the run's own lines stay the only output
+    datasets.logging.set_verbosity_error()
     builder = hf_path
     if not builder:
         suffixes = {os.path.splitext(f)[1].lower() for f in files}
