@@ -67,6 +67,8 @@ def test_kill_9_and_rerun_reproduce_the_losses_bit_for_bit_then_sample(tmp_path,
     import _helpers
 
     _helpers.COMPILATION_CACHE["dir"] = str(tmp_path / "jax-cache")
+    for name in ("reference", "killed"):
+        (tmp_path / name).mkdir()
     grain = ["dataset_type=grain", f"grain_train_files={prepared}", "vocab_size=258", "packing=true"]
     reference = _helpers.Training(tmp_path / "reference", *grain)
     assert reference.finish() == 0, reference.stderr[-3000:]
