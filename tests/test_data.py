@@ -217,3 +217,9 @@ def test_synthetic_ids_in_range_and_deterministic():
     assert not np.array_equal(got["inputs"], held_out.batch(0)["inputs"])
     with pytest.raises(ValueError, match="step must be >= 0"):
         ds.batch(-1)
+
+
+def test_windows_have_no_epochs_and_every_eval_batch():
+    ds = _make()
+    assert all(ds.notice(step) is None for step in range(5))
+    assert ds.eval_limit(1000) == (1000, None)
