@@ -100,8 +100,11 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
                     writer.write(ids.astype("<i4").tobytes())
                     documents, tokens, longest = documents + 1, tokens + len(ids), max(longest, len(ids))
                 bar.set_postfix(documents=documents, tokens=tokens)
-    finally:
+    except BaseException:
         writer.close()
+        os.remove(target + ".partial")  # a bad input leaves nothing behind
+        raise
+    writer.close()
     if documents == 0:
         os.remove(target + ".partial")
         raise DataError(f"--input {', '.join(inputs)}: no document has 2 or more tokens; nothing written.")
