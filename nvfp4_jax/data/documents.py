@@ -24,6 +24,7 @@ import numpy as np
 from nvfp4_jax.config import DataConfig
 from nvfp4_jax.data import packing, sources
 from nvfp4_jax.data.errors import DataError
+from nvfp4_jax.data.streams import process_rows
 from nvfp4_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 _SHUFFLE_STREAM = 2  # beside the window streams' split ids 0 and 1
@@ -120,18 +121,11 @@ class DocumentBatches:
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """This process's rows `[i*B/P, (i+1)*B/P)` of global batch `step`: int32[B/P, L] arrays
         `inputs`, `targets`, `inputs_segmentation`, `inputs_position`, `targets_segmentation`."""
-        batch_size = self.global_batch_size
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}.")
-        if process_count < 1 or batch_size % process_count:
-            raise DataError(
-                f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
-        if not 0 <= process_index < process_count:
-            raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
-        per_process = batch_size // process_count
-        first = step * batch_size + process_index * per_process
+        own = process_rows(self.global_batch_size, process_index, process_count)
         rows = []
-        for row in range(first, first + per_process):
+        for row in (step * self.global_batch_size + r for r in own):
             epoch, within = self._locate(row) if self.shuffled else (0, row)
             chunks, bounds = self._plan(epoch)
             if within >= len(bounds) - 1:  # past the end of the eval pass

@@ -58,6 +58,16 @@ def shakespeare_bytes() -> bytes:
     return lzma.decompress(resource.read_bytes())
 
 
+def process_rows(batch_size: int, process_index: int, process_count: int) -> range:
+    """The rows `[i*B/P, (i+1)*B/P)` of a global batch that process i of P builds."""
+    if process_count < 1 or batch_size % process_count:
+        raise DataError(f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
+    rows = batch_size // process_count
+    return range(process_index * rows, (process_index + 1) * rows)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenBatches:
     """Batches of one split. `tokens` is the whole stream (None for synthetic data) and
@@ -113,14 +123,8 @@ class TokenBatches:
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """{"inputs": int32[B/P, L], "targets": int32[B/P, L]}: this process's rows
         `[i*B/P, (i+1)*B/P)` of global batch `step`."""
-        batch_size = self.global_batch_size
-        if process_count < 1 or batch_size % process_count:
-            raise DataError(
-                f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
-        if not 0 <= process_index < process_count:
-            raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
-        rows = batch_size // process_count
-        first = process_index * rows
+        own = process_rows(self.global_batch_size, process_index, process_count)
+        first, rows = own.start, len(own)
         window = self.seq_len + 1
         if self.tokens is None:
             # One generator per row, so each process draws only its own rows.
