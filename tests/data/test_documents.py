@@ -185,3 +185,29 @@ def test_corrupt_or_foreign_array_records_are_data_errors(tmp_path):
     record = _array_record(tmp_path, ["the text of a document"] * 3, tokenizer_path=corpora.huggingface_tokenizer(tmp_path))
     with pytest.raises(data.DataError, match=r"holds token id 2\d\d, but vocab_size=258"):
         _make(DataConfig(dataset_type="grain", grain_train_files=record))  # bytes: 258 ids
+
+
+def test_each_process_reads_only_the_documents_of_its_rows(tmp_path):
+    texts = [f"doc {i} " + "x" * (i % 5) for i in range(24)]
+    cfg = DataConfig(dataset_type="grain", grain_train_files=_corpus(tmp_path, texts), packing=False)
+    ds = _make(cfg, seq_len=16, batch=4)  # padded: one document per row
+    seen = []
+    inner = ds.docs.read
+    object.__setattr__(ds, "docs", data.sources.Documents(ds.docs.name, ds.docs.lengths,
+                                                          lambda idx: (seen.extend(idx), inner(idx))[1],
+                                                          ds.docs.max_id))
+    mine = ds.batch(3, process_index=1, process_count=2)
+    chunks, _ = ds._plan(0)
+    assert sorted(seen) == sorted(chunks.doc[14:16].tolist())  # rows 12-15 of step 3; process 1 owns 14, 15
+    tok = data.load_tokenizer("bytes")
+    assert [tok.decode(r[s > 0]) for r, s in zip(mine["inputs"], mine["inputs_segmentation"])] == \
+        [texts[d][:] for d in chunks.doc[14:16]]
+
+
+def test_tokenizing_threads_change_nothing(tmp_path):
+    texts = [f"text {i} " * (i % 9 + 1) for i in range(50)]
+    path = _corpus(tmp_path, texts)
+    one = _make(DataConfig(dataset_type="grain", grain_train_files=path, grain_worker_count=1), seq_len=32)
+    four = _make(DataConfig(dataset_type="grain", grain_train_files=path, grain_worker_count=4), seq_len=32)
+    for k in packing.BATCH_KEYS:
+        np.testing.assert_array_equal(one.batch(2)[k], four.batch(2)[k])
