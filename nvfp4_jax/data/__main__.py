@@ -5,8 +5,8 @@ grain_train_files=data/documents.array_record`:
 
   --input GLOB        text (.txt: one document per file), JSONL (one per line) or Parquet (one
                       per row); repeat the option or separate globs by commas
-  --output DIR        gets documents.array_record (one record per document, int32 ids) and
-                      nvfp4_jax_data.json (the tokenizer and the counts)
+  --output DIR        gets documents.array_record (one record per document, int32 ids), its
+                      index (documents' lengths) and nvfp4_jax_data.json (tokenizer, counts)
   --tokenizer PATH    a tokenizer.json, a SentencePiece .model or a tiktoken file (the type is
                       read from the name; --tokenizer-type overrides); without it, bytes
   --tokenizer-type T  bytes | huggingface | sentencepiece | tiktoken
@@ -89,6 +89,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
     # group_size:1 makes every record readable on its own (Grain reads them at random).
     writer = writer_module.ArrayRecordWriter(target + ".partial", "group_size:1")
     documents = tokens = skipped = longest = 0
+    lengths: list[int] = []
+    max_id = -1
     try:
         with tqdm(files, unit="file", disable=None if progress is None else not progress) as bar:
             for path in bar:
@@ -98,6 +100,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
                         skipped += 1
                         continue
                     writer.write(ids.astype("<i4").tobytes())
+                    lengths.append(len(ids))
+                    max_id = max(max_id, int(ids.max()))
                     documents, tokens, longest = documents + 1, tokens + len(ids), max(longest, len(ids))
                 bar.set_postfix(documents=documents, tokens=tokens)
     except BaseException:
@@ -109,6 +113,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
         os.remove(target + ".partial")
         raise DataError(f"--input {', '.join(inputs)}: no document has 2 or more tokens; nothing written.")
     os.replace(target + ".partial", target)
+    sources.write_index(target, np.asarray(lengths), max_id)
     summary = {
         "tokenizer": {"tokenizer_type": kind,
                       "tokenizer_path": os.path.abspath(tokenizer_path) if tokenizer_path else "", "vocab_size": tokenizer.vocab_size,

@@ -133,6 +133,10 @@ class DocumentBatches:
                 continue
             span = range(int(bounds[within]), int(bounds[within + 1]))
             docs = self.docs.read([int(chunks.doc[i]) for i in span])
+            for d, i in zip(docs, span):
+                if len(d) != self.docs.lengths[chunks.doc[i]]:
+                    raise DataError(f"{self.docs.name}: document {chunks.doc[i]} has {len(d)} tokens, but "
+                                    f"its index says {self.docs.lengths[chunks.doc[i]]}; prepare it again.")
             pieces = [d[chunks.start[i]:chunks.start[i] + chunks.pairs[i] + 1] for d, i in zip(docs, span)]
             rows.append(packing.assemble_row(pieces, self.seq_len))
         return {key: np.stack([r[key] for r in rows]) for key in packing.BATCH_KEYS}

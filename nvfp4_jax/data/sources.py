@@ -2,8 +2,9 @@
 
 - ArrayRecord (`.array_record`, written by `python -m nvfp4_jax.data prepare`): one record per
   document, its token ids as little-endian int32. Read through Grain's `ArrayRecordDataSource`
-  (random access): at start-up every record is read once for its length (packing is planned
-  from lengths), afterwards a process reads only the documents of its own rows.
+  (random access). Packing is planned from the documents' lengths, which `prepare` records beside
+  the file (`*.index.npz`; a file without one is read once at start-up), so a process reads only
+  the documents of its own rows.
 - Text (`.parquet` through Grain's pyarrow, `.jsonl`/`.json`/`.parquet`/`.arrow` through
   `datasets` in offline mode, `.txt` for `prepare`): the `train_data_columns` column of each
   row (a `.txt` file is one document), tokenized once at start-up and held in memory.
@@ -26,6 +27,9 @@ from nvfp4_jax.data.tokenizer import Tokenizer
 ARRAY_RECORD = ".array_record"
 # Written by `prepare` beside its ArrayRecord files: the tokenizer and counts that made them.
 META_FILE = "nvfp4_jax_data.json"
+# Beside each ArrayRecord file `prepare` writes: its documents' lengths, so that training reads
+# only the records its rows need.
+INDEX_SUFFIX = ".index.npz"
 _HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
@@ -163,6 +167,9 @@ def array_records(files: list[str], key: str) -> Documents:
         except Exception as exc:
             raise DataError(f"{name}: cannot read records ({' '.join(str(exc).split())}).") from None
 
+    indexed = read_indexes(files, n)
+    if indexed is not None:  # what `prepare` measured: no pass over the records
+        return Documents(name, *indexed[:1], read, indexed[1])
     lengths = np.zeros(n, np.int64)
     lo, hi = 0, -1
     for first in range(0, n, 4096):
@@ -174,6 +181,26 @@ def array_records(files: list[str], key: str) -> Documents:
     if lo < 0:
         raise DataError(f"{name}: holds the negative token id {lo}; not written by `prepare`?")
     return Documents(name, lengths, read, hi)
+
+
+def write_index(path: str, lengths: np.ndarray, max_id: int) -> None:
+    """`prepare`'s record of an ArrayRecord file's document lengths and largest id."""
+    with open(path + INDEX_SUFFIX, "wb") as f:
+        np.savez(f, lengths=np.asarray(lengths, np.int64), max_id=np.int64(max_id))
+
+
+def read_indexes(files: list[str], count: int) -> tuple[np.ndarray, int] | None:
+    """(lengths, max id) of `files` from their `prepare` indexes; None when one is missing or
+    they do not add up to the files' `count` records (then the records themselves are read)."""
+    parts, max_id = [], -1
+    for path in files:
+        if not os.path.isfile(path + INDEX_SUFFIX):
+            return None
+        with np.load(path + INDEX_SUFFIX) as index:
+            parts.append(index["lengths"])
+            max_id = max(max_id, int(index["max_id"]))
+    lengths = np.concatenate(parts)
+    return (lengths, max_id) if len(lengths) == count else None
 
 
 def read_meta(directory: str) -> dict | None:

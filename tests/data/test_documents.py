@@ -211,3 +211,31 @@ def test_tokenizing_threads_change_nothing(tmp_path):
     four = _make(DataConfig(dataset_type="grain", grain_train_files=path, grain_worker_count=4), seq_len=32)
     for k in packing.BATCH_KEYS:
         np.testing.assert_array_equal(one.batch(2)[k], four.batch(2)[k])
+
+
+def test_prepared_files_are_planned_from_their_index_without_reading_records(tmp_path, monkeypatch):
+    record = _array_record(tmp_path, corpora.TEXTS)
+    assert os.path.isfile(record + ".index.npz")
+    cfg = DataConfig(dataset_type="grain", grain_train_files=record)
+    reads = []
+    real = data.sources._read_records
+    monkeypatch.setattr(data.sources, "_read_records", lambda src, idx, where: (reads.append(len(idx)), real(src, idx, where))[1])
+    ds = _make(cfg, seq_len=16, batch=2)
+    assert reads == []  # lengths and largest id came from the index
+    ds.batch(0)
+    assert 0 < sum(reads) <= 2 * 2  # the documents of two rows of 16 pairs: at most two each
+    np.testing.assert_array_equal(ds.docs.lengths, [len(t.encode()) + 2 for t in corpora.TEXTS[:len(ds.docs)]])
+    # An index that does not match the file is not trusted: the records are read instead. (Each
+    # config below differs, as the documents of a config are cached.)
+    os.replace(record + ".index.npz", tmp_path / "saved.npz")
+    data.sources.write_index(record, np.array([5, 5]), 300)
+    reads.clear()
+    fresh = _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.2), seq_len=16, batch=2)
+    assert sum(reads) == len(corpora.TEXTS) and fresh.docs.max_id == EOS  # the scan's own answer
+    # An index whose lengths disagree with the records is caught when a row is built.
+    lengths = np.load(tmp_path / "saved.npz")["lengths"]
+    lengths[:] = lengths + 1
+    data.sources.write_index(record, lengths, 255)
+    stale = _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.3), seq_len=16, batch=2)
+    with pytest.raises(data.DataError, match=r"has \d+ tokens, but its index says \d+; prepare it again"):
+        stale.batch(0)
