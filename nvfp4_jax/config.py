@@ -483,6 +483,9 @@ def _validate_document_keys(d: DataConfig) -> None:
     if d.tokenizer_type != "bytes":
         _check(bool(d.tokenizer_path), "tokenizer_path", d.tokenizer_path,
                f"tokenizer_type={d.tokenizer_type!r} needs a local tokenizer file")
+        # Those corpora's bytes are their tokens: another tokenizer would only mislead `sample`.
+        _check(d.dataset_type not in ("shakespeare", "text"), "tokenizer_type", d.tokenizer_type,
+               f"dataset_type={d.dataset_type!r} is byte tokens; tokenizers apply to grain, hf and tokens")
     _check(d.grain_worker_count >= 0, "grain_worker_count", d.grain_worker_count, "must be >= 0")
     files_key = {"grain": "grain_train_files", "hf": "hf_train_files"}.get(d.dataset_type)
     if files_key:

@@ -17,6 +17,8 @@ def test_document_keys_default_to_maxtexts():
     ({"dataset_type": "grain"}, r"grain_train_files='' is not allowed: dataset_type='grain' needs local files"),
     ({"dataset_type": "hf"}, r"hf_train_files='' is not allowed"),
     ({"dataset_type": "arrow"}, r"dataset_type='arrow' is not allowed: choose one of .*'grain', 'hf'"),
+    ({"tokenizer_type": "tiktoken", "tokenizer_path": "t.tiktoken"},
+     r"tokenizer_type='tiktoken' is not allowed: dataset_type='shakespeare' is byte tokens"),
     ({"grain_worker_count": -1}, r"grain_worker_count=-1 is not allowed: must be >= 0"),
     ({"train_data_columns": "a,b"}, r"train_data_columns='a,b' is not allowed: one column name"),
     ({"tokeniser_type": "bytes"}, r"Did you mean 'tokenizer_type'"),

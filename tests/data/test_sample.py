@@ -52,6 +52,15 @@ def test_run_tokenizer_follows_the_runs_data_keys(tmp_path):
     assert tok.kind == "bytes" and not add_bos and not stop  # byte windows have no BOS/EOS
     docs = make_config({"dataset_type": "grain", "grain_train_files": "x.array_record", "add_eos": False})
     assert sample.run_tokenizer(docs)[1:] == (True, False)
+    # A pre-tokenized stream decodes with the tokenizer the config names, without BOS/EOS.
+    path = tmp_path / "tiny.tiktoken"
+    import base64
+
+    path.write_bytes(b"".join(base64.b64encode(bytes([i])) + b" %d\n" % i for i in range(256)))
+    ids = make_config({"dataset_type": "tokens", "dataset_path": "x.bin", "tokenizer_type": "tiktoken",
+                       "tokenizer_path": str(path)})
+    tok, add_bos, stop = sample.run_tokenizer(ids)
+    assert tok.kind == "tiktoken" and tok.vocab_size == 258 and not add_bos and not stop
 
 
 @pytest.mark.parametrize("setup, args, message", [
