@@ -102,18 +102,22 @@ def load_params(run_dir: str, cfg: Config):
     return restored.state.params, restored.step
 
 
-def generate(cfg: Config, params, prompt_ids: np.ndarray, *, max_new_tokens: int, temperature: float,
-             top_k: int, seed: int, eos_id: int | None = None) -> list[int]:
-    """New token ids after `prompt_ids`, one BF16 forward pass per token over the last
-    `max_target_length` ids (right-padded: causal attention never looks at the padding)."""
+def bf16_logits(cfg: Config, params):
+    """`logits(tokens_1xL) -> fp32 logits_LxV`: the model with plain BF16 dots, jitted once."""
     import jax
     import jax.numpy as jnp
 
     from nvfp4_jax.train.build import build_model
 
     model = build_model(dataclasses.replace(cfg.model, dtype="bfloat16"), quantized=False)
-    length = cfg.model.max_target_length
     forward = jax.jit(lambda p, tokens_1xL: model.apply({"params": p}, tokens_1xL)[0])
+    return lambda tokens_1xL: np.asarray(forward(params, jnp.asarray(tokens_1xL)), np.float32)
+
+
+def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, temperature: float, top_k: int,
+             seed: int, eos_id: int | None = None) -> list[int]:
+    """New token ids after `prompt_ids`, one call of `logits_fn` per token on the last `length` ids,
+    right-padded to `length` (a causal model never looks at the padding)."""
     rng = np.random.default_rng(seed)
     ids = [int(i) for i in prompt_ids]
     new: list[int] = []
@@ -121,8 +125,7 @@ def generate(cfg: Config, params, prompt_ids: np.ndarray, *, max_new_tokens: int
         window = ids[-length:]
         tokens_1xL = np.zeros((1, length), np.int32)
         tokens_1xL[0, :len(window)] = window
-        logits_LxV = np.asarray(forward(params, jnp.asarray(tokens_1xL)), np.float32)
-        token = next_token(logits_LxV[len(window) - 1], temperature=temperature, top_k=top_k, rng=rng)
+        token = next_token(logits_fn(tokens_1xL)[len(window) - 1], temperature=temperature, top_k=top_k, rng=rng)
         if eos_id is not None and token == eos_id:
             break
         ids.append(token)
@@ -155,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
         return EXIT_NO_CHECKPOINT if isinstance(exc, CheckpointError) else EXIT_USER
 
-    new = generate(cfg, params, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None)
+    new = generate(bf16_logits(cfg, params), prompt_ids, length=cfg.model.max_target_length,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None)
     print(f"[checkpoint step {step} of {os.path.abspath(args.run_dir)}; {tokenizer.describe()}]", file=sys.stderr)
     print(tokenizer.decode(np.concatenate([prompt_ids, new]).astype(np.int64)), flush=True)
     return EXIT_OK

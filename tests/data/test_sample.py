@@ -26,15 +26,40 @@ def test_next_token_greedy_top_k_and_temperature():
     np.testing.assert_allclose(np.bincount(hot, minlength=5) / 4000, p, atol=0.03)
 
 
-def test_greedy_generation_is_the_argmax_of_the_unpadded_sequence():
+def test_generation_reads_the_last_position_of_a_sliding_right_padded_window():
+    vocab, length = 97, 4
+    calls = []
+
+    def logits_fn(tokens_1xL):  # causal: position t sees tokens 0..t; predicts their sum
+        calls.append(tokens_1xL.copy())
+        sums = np.cumsum(tokens_1xL[0])
+        return np.eye(vocab)[sums % vocab] * 10
+
+    got = sample.generate(logits_fn, [5, 7], length=length, max_new_tokens=5, temperature=0.0, top_k=0, seed=0)
+    ids = [5, 7]
+    for token in got:
+        assert token == sum(ids[-length:]) % vocab
+        ids.append(token)
+    np.testing.assert_array_equal(calls[0], [[5, 7, 0, 0]])  # the prompt, right-padded
+    np.testing.assert_array_equal(calls[-1], [ids[-5:-1]])  # the last 4 ids once the window is full
+    assert sample.generate(logits_fn, [5, 7], length=length, max_new_tokens=5, temperature=0.0, top_k=0, seed=0,
+                           eos_id=got[2]) == got[:2]
+    # Sampling is a function of the seed.
+    hot = dict(length=length, max_new_tokens=6, temperature=50.0, top_k=0)
+    assert sample.generate(logits_fn, [1], seed=3, **hot) == sample.generate(logits_fn, [1], seed=3, **hot)
+    assert sample.generate(logits_fn, [1], seed=3, **hot) != sample.generate(logits_fn, [1], seed=4, **hot)
+
+
+@pytest.mark.slow
+def test_bf16_greedy_generation_is_the_argmax_of_the_unpadded_model():
     cfg = make_config({"model_name": "tiny", "base_num_decoder_layers": 1, "max_target_length": 8,
                        "base_emb_dim": 64, "base_mlp_dim": 128})
     model = build_model(cfg.model, quantized=False)
     params = jax.jit(model.init)(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))["params"]
     params = jax.tree.map(lambda p: p * 4, nn.meta.unbox(params))  # sharper logits: no near-ties
     prompt = np.array([72, 101, 108, 108, 111, 32, 119])
-    got = sample.generate(cfg, params, prompt, max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
-    assert len(got) == 4
+    got = sample.generate(sample.bf16_logits(cfg, params), prompt, length=8, max_new_tokens=4, temperature=0.0,
+                          top_k=0, seed=0)
     # Reference: the 7 prompt tokens unpadded (generate pads them to the window of 8), then the
     # last 8 tokens as the window slides.
     reference = jax.jit(lambda p, tokens: model.apply({"params": p}, tokens)[0, -1])
@@ -42,8 +67,6 @@ def test_greedy_generation_is_the_argmax_of_the_unpadded_sequence():
     for token in got:
         assert token == int(jnp.argmax(reference(params, jnp.asarray([ids[-8:]], jnp.int32))))
         ids.append(token)
-    assert sample.generate(cfg, params, prompt, max_new_tokens=5, temperature=0.0, top_k=0, seed=0,
-                           eos_id=got[2]) == got[:2]
 
 
 def test_run_tokenizer_follows_the_runs_data_keys(tmp_path):
