@@ -25,7 +25,7 @@ from nvfp4_jax.config import DataConfig
 from nvfp4_jax.data import packing, sources
 from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.data.streams import process_rows
-from nvfp4_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from nvfp4_jax.data.tokenizer import check_vocab, load_tokenizer
 
 _SHUFFLE_STREAM = 2  # beside the window streams' split ids 0 and 1
 
@@ -42,7 +42,6 @@ class DocumentBatches:
     vocab_size: int
     packing: bool
     docs: sources.Documents
-    tokenizer: Tokenizer
     warnings: tuple[str, ...] = ()
     # Per-epoch packings and the running row count at each epoch start (derived, cached).
     _plans: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -152,7 +151,6 @@ def _files_keys(data_cfg: DataConfig) -> tuple[str, str, str, str]:
 def _documents(data_cfg: DataConfig, key: str, patterns: str) -> sources.Documents:
     """Every document of the files `patterns` names (cached: train and eval share a read)."""
     files = sources.expand(patterns, key)
-    tokenizer = load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
     if data_cfg.dataset_type == "hf":
         texts = sources.hf_texts(data_cfg.hf_path, files, data_cfg.train_data_columns)
     else:
@@ -163,6 +161,7 @@ def _documents(data_cfg: DataConfig, key: str, patterns: str) -> sources.Documen
             raise DataError(f"{key}: dataset_type='grain' reads .array_record or .parquet files, not a mix or "
                             f"other kinds ({', '.join(files[:3])}).")
         texts = sources.parquet_texts(files, data_cfg.train_data_columns)
+    tokenizer = load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
     ids = sources.tokenize(texts, tokenizer, add_bos=data_cfg.add_bos, add_eos=data_cfg.add_eos,
                            workers=data_cfg.grain_worker_count)
     name = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
@@ -189,8 +188,7 @@ def make_document_batches(data_cfg: DataConfig, *, seq_len: int, global_batch_si
                           split: str, vocab_size: int) -> DocumentBatches:
     """The batches of `split` of a `grain` or `hf` corpus. Without eval files, the last
     `eval_fraction` of the train files' documents (at least one) is the eval split."""
-    tokenizer = load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
-    check_vocab(tokenizer, vocab_size)
+    check_vocab(load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_path), vocab_size)
     train_key, train_files, eval_key, eval_files = _files_keys(data_cfg)
     key, patterns = (eval_key, eval_files) if split == "eval" and eval_files else (train_key, train_files)
     docs = _documents(data_cfg, key, patterns)
@@ -211,4 +209,4 @@ def make_document_batches(data_cfg: DataConfig, *, seq_len: int, global_batch_si
     warnings = _meta_warnings(data_cfg, patterns) if data_cfg.dataset_type == "grain" else ()
     return DocumentBatches(name=docs.name, split=split, seq_len=seq_len, global_batch_size=global_batch_size,
                            seed=seed, vocab_size=vocab_size, packing=data_cfg.packing, docs=docs,
-                           tokenizer=tokenizer, warnings=warnings)
+                           warnings=warnings)
