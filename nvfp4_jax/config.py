@@ -114,7 +114,8 @@ class DataConfig:
     grain_eval_files: str = ""
     # Threads that tokenize text documents at start-up (the batches do not depend on it).
     grain_worker_count: int = 1
-    # A `datasets` builder (json, parquet, arrow) or a local dataset folder; empty: from the suffix.
+    # A `datasets` builder for the files (json, parquet, arrow; empty: from their suffix), or,
+    # without hf_train_files, a local dataset folder (save_to_disk, or one of data files).
     hf_path: str = ""
     hf_train_files: str = ""
     hf_eval_files: str = ""
@@ -487,10 +488,12 @@ def _validate_document_keys(d: DataConfig) -> None:
         _check(d.dataset_type not in ("shakespeare", "text"), "tokenizer_type", d.tokenizer_type,
                f"dataset_type={d.dataset_type!r} is byte tokens; tokenizers apply to grain, hf and tokens")
     _check(d.grain_worker_count >= 0, "grain_worker_count", d.grain_worker_count, "must be >= 0")
-    files_key = {"grain": "grain_train_files", "hf": "hf_train_files"}.get(d.dataset_type)
-    if files_key:
-        _check(bool(getattr(d, files_key)), files_key, getattr(d, files_key),
-               f"dataset_type={d.dataset_type!r} needs local files (a comma-separated list of globs)")
+    if d.dataset_type == "grain":
+        _check(bool(d.grain_train_files), "grain_train_files", d.grain_train_files,
+               "dataset_type='grain' needs local files (a comma-separated list of globs)")
+    if d.dataset_type == "hf":
+        _check(bool(d.hf_train_files or d.hf_path), "hf_train_files", d.hf_train_files,
+               "dataset_type='hf' needs local files (comma-separated globs) or hf_path=<a local dataset folder>")
     _check(bool(d.train_data_columns) and "," not in d.train_data_columns, "train_data_columns",
            d.train_data_columns, "one column name")
 

@@ -150,10 +150,12 @@ def _files_keys(data_cfg: DataConfig) -> tuple[str, str, str, str]:
 @functools.lru_cache(maxsize=4)
 def _documents(data_cfg: DataConfig, key: str, patterns: str) -> sources.Documents:
     """Every document of the files `patterns` names (cached: train and eval share a read)."""
-    files = sources.expand(patterns, key)
     if data_cfg.dataset_type == "hf":
+        # hf_path alone may name a local dataset folder; files, when given, are globs.
+        files = sources.expand(patterns, key) if patterns or not data_cfg.hf_path else []
         texts = sources.hf_texts(data_cfg.hf_path, files, data_cfg.train_data_columns)
     else:
+        files = sources.expand(patterns, key)
         suffixes = {f.endswith(sources.ARRAY_RECORD) for f in files}
         if suffixes == {True}:
             return sources.array_records(files, key)
@@ -164,7 +166,7 @@ def _documents(data_cfg: DataConfig, key: str, patterns: str) -> sources.Documen
     tokenizer = load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_path)
     ids = sources.tokenize(texts, tokenizer, add_bos=data_cfg.add_bos, add_eos=data_cfg.add_eos,
                            workers=data_cfg.grain_worker_count)
-    name = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+    name = (files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)") if files else data_cfg.hf_path
     return sources.in_memory(name, ids)
 
 

@@ -219,12 +219,27 @@ def parquet_texts(files: list[str], column: str) -> list[str]:
 
 
 def hf_texts(hf_path: str, files: list[str], column: str) -> list[str]:
-    """The `column` of local files loaded by `datasets` offline (nothing is downloaded)."""
+    """The `column` of local data loaded by `datasets` offline (nothing is downloaded): `files`
+    with the builder `hf_path` (json, parquet, arrow; default from their suffix), or, without
+    files, the local folder `hf_path` (a `save_to_disk` folder or one of data files)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     datasets = require("datasets", "dataset_type='hf'")
     datasets.disable_progress_bars()  # the run's own lines stay the only output
     datasets.logging.set_verbosity_error()
+    where = ", ".join(files) or hf_path
+    if os.path.isdir(hf_path) and not files and any(
+            os.path.isfile(os.path.join(hf_path, f)) for f in ("state.json", "dataset_dict.json")):
+        try:  # a folder written by Dataset.save_to_disk
+            ds = datasets.load_from_disk(hf_path)
+        except Exception as exc:
+            raise DataError(f"hf_path={hf_path!r}: datasets could not load it ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:300]}).") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"hf_path={hf_path!r} holds the splits {list(ds)}, not 'train'.")
+            ds = ds["train"]
+        return _hf_column(ds, column, where)
     builder = hf_path
     if not builder:
         suffixes = {os.path.splitext(f)[1].lower() for f in files}
@@ -233,10 +248,14 @@ def hf_texts(hf_path: str, files: list[str], column: str) -> list[str]:
                             f"{', '.join(_HF_BUILDERS)} or set hf_path=json|parquet|arrow.")
         builder = _HF_BUILDERS[next(iter(suffixes))]
     try:
-        ds = datasets.load_dataset(builder, data_files=files, split="train")
+        ds = datasets.load_dataset(builder, data_files=files or None, split="train")
     except Exception as exc:  # datasets raises many types for unreadable files
-        raise DataError(f"datasets could not load {', '.join(files)} with hf_path={builder!r} "
+        raise DataError(f"datasets could not load {where} with hf_path={builder!r} "
                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}).") from None
+    return _hf_column(ds, column, where)
+
+
+def _hf_column(ds, column: str, where: str) -> list[str]:
     if column not in ds.column_names:
-        raise _missing_column(column, ds.column_names, ", ".join(files))
-    return _column(ds[column], column, ", ".join(files))
+        raise _missing_column(column, ds.column_names, where)
+    return _column(ds[column], column, where)

@@ -239,3 +239,20 @@ def test_prepared_files_are_planned_from_their_index_without_reading_records(tmp
     stale = _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.3), seq_len=16, batch=2)
     with pytest.raises(data.DataError, match=r"has \d+ tokens, but its index says \d+; prepare it again"):
         stale.batch(0)
+
+
+def test_hf_path_alone_reads_a_local_dataset_folder(tmp_path):
+    import datasets
+
+    texts = [f"saved text {i}" for i in range(6)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "files").mkdir()
+    corpora.write_jsonl(tmp_path / "files" / "part.jsonl", texts)
+    tok = data.load_tokenizer("bytes")
+    for folder in ("saved", "files"):
+        ds = _make(DataConfig(dataset_type="hf", hf_path=str(tmp_path / folder), eval_fraction=0.2), split="eval",
+                   seq_len=16)
+        assert [tok.decode(ds.docs.read([i])[0]) for i in range(len(ds.docs))] == texts[5:]
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(data.DataError, match=r"holds the splits \['test'\], not 'train'"):
+        _make(DataConfig(dataset_type="hf", hf_path=str(tmp_path / "dict")))
