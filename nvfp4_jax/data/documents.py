@@ -88,15 +88,16 @@ class DocumentBatches:
         return self._locate(step * self.global_batch_size)[0]
 
     def notice(self, step: int) -> str | None:
-        """A line to show when batch `step` begins a new epoch of the train split."""
-        if not self.shuffled or step == 0:
+        """A line to show when new epochs of the train split begin inside batch `step`."""
+        if not self.shuffled:
             return None
-        last = self._locate(step * self.global_batch_size - 1)[0]
-        now = self._locate((step + 1) * self.global_batch_size - 1)[0]
-        if now == last:
+        before = self._locate(step * self.global_batch_size - 1)[0] if step else 0
+        last = self._locate((step + 1) * self.global_batch_size - 1)[0]
+        if last == before:
             return None
-        return (f"data: batch {step} starts epoch {now + 1} of {self.name} (every document seen "
-                f"{now} time{'s' if now > 1 else ''}; reshuffled)")
+        which = f"epoch {last + 1}" if last == before + 1 else f"epochs {before + 2}-{last + 1}"
+        return (f"data: batch {step} starts {which} of {self.name} (every document seen {last} "
+                f"time{'s' if last > 1 else ''}; reshuffled each epoch)")
 
     def eval_limit(self, steps: int) -> tuple[int, str | None]:
         """How many of `steps` requested eval batches exist, and a line when fewer do."""

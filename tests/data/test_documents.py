@@ -83,6 +83,12 @@ def test_train_epochs_visit_every_document_once_reshuffled(tmp_path):
     starts = [rows_per_epoch[0] // 4, sum(rows_per_epoch[:2]) // 4]
     assert list(notices) == [s for s in starts if s <= steps]
     assert "starts epoch 2" in notices[starts[0]]
+    # A corpus smaller than a batch: batch 0 already holds the start of epoch 2, batch 1 may hold more.
+    small = _make(DataConfig(dataset_type="grain", grain_train_files=_corpus(tmp_path, texts[:3], "small.parquet")),
+                  seq_len=24, batch=4)
+    assert small.rows_in_epoch(0) == 2  # 2 train documents of 18 pairs, one per row of 24
+    assert re.search(r"batch 0 starts epoch 2 .*seen 1 time;", small.notice(0))
+    assert re.search(r"batch 1 starts epochs 3-4 .*seen 3 times", small.notice(1))
 
 
 def test_batches_are_pure_functions_of_the_step_and_shard_by_process(tmp_path):
