@@ -115,9 +115,11 @@ def bf16_logits(cfg: Config, params):
 
 
 def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, temperature: float, top_k: int,
-             seed: int, eos_id: int | None = None) -> list[int]:
+             seed: int, eos_id: int | None = None, num_ids: int | None = None) -> list[int]:
     """New token ids after `prompt_ids`, one call of `logits_fn` per token on the last `length` ids,
-    right-padded to `length` (a causal model never looks at the padding)."""
+    right-padded to `length` (a causal model never looks at the padding). Only ids below
+    `num_ids` (the tokenizer's) are drawn: a model vocabulary padded past the tokenizer's has
+    rows no text decodes to."""
     rng = np.random.default_rng(seed)
     ids = [int(i) for i in prompt_ids]
     new: list[int] = []
@@ -125,7 +127,8 @@ def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, tempera
         window = ids[-length:]
         tokens_1xL = np.zeros((1, length), np.int32)
         tokens_1xL[0, :len(window)] = window
-        token = next_token(logits_fn(tokens_1xL)[len(window) - 1], temperature=temperature, top_k=top_k, rng=rng)
+        logits_V = logits_fn(tokens_1xL)[len(window) - 1][:num_ids]
+        token = next_token(logits_V, temperature=temperature, top_k=top_k, rng=rng)
         if eos_id is not None and token == eos_id:
             break
         ids.append(token)
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     new = generate(bf16_logits(cfg, params), prompt_ids, length=cfg.model.max_target_length,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None)
+                   seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None, num_ids=tokenizer.vocab_size)
     print(f"[checkpoint step {step} of {os.path.abspath(args.run_dir)}; {tokenizer.describe()}]", file=sys.stderr)
     print(tokenizer.decode(np.concatenate([prompt_ids, new]).astype(np.int64)), flush=True)
     return EXIT_OK

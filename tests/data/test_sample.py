@@ -44,6 +44,9 @@ def test_generation_reads_the_last_position_of_a_sliding_right_padded_window():
     np.testing.assert_array_equal(calls[-1], [ids[-5:-1]])  # the last 4 ids once the window is full
     assert sample.generate(logits_fn, [5, 7], length=length, max_new_tokens=5, temperature=0.0, top_k=0, seed=0,
                            eos_id=got[2]) == got[:2]
+    # Ids past the tokenizer's are never drawn, however likely.
+    assert all(t < 50 for t in sample.generate(logits_fn, [5, 7], length=length, max_new_tokens=8, temperature=0.0,
+                                               top_k=0, seed=0, num_ids=50))
     # Sampling is a function of the seed.
     hot = dict(length=length, max_new_tokens=6, temperature=50.0, top_k=0)
     assert sample.generate(logits_fn, [1], seed=3, **hot) == sample.generate(logits_fn, [1], seed=3, **hot)
