@@ -5,6 +5,7 @@
   --temperature T        0 (default): greedy; > 0 samples from softmax(logits / T)
   --top-k K              sample among the K likeliest tokens only (0: all)
   --seed S               the sampling seed (default 0)
+  --tokenizer PATH       the tokenizer file, when the run's tokenizer_path is not found from here
 
 The run's `config.json` gives the model and the tokenizer (a `grain`/`hf` run's tokenizer keys;
 bytes for the byte corpora). The forward pass is BF16 with plain dots (the parameters are the
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default="")
     return parser
 
 
@@ -52,12 +54,16 @@ def read_run_config(run_dir: str) -> Config:
         return from_dict(json.load(f))
 
 
-def run_tokenizer(cfg: Config):
-    """(tokenizer, add_bos, stop_at_eos) the run's data was made with."""
-    from nvfp4_jax.data import load_tokenizer
+def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
+    """(tokenizer, add_bos, stop_at_eos) the run's data was made with; `tokenizer_path` replaces
+    the config's (a relative one is relative to where training started)."""
+    from nvfp4_jax.data import DataError, load_tokenizer
 
     d = cfg.data
-    tokenizer = load_tokenizer(d.tokenizer_type, d.tokenizer_path)
+    try:
+        tokenizer = load_tokenizer(d.tokenizer_type, tokenizer_path or d.tokenizer_path)
+    except DataError as exc:
+        raise DataError(f"{exc} (the run's tokenizer; give its path with --tokenizer PATH)") from None
     documents = d.dataset_type in _DOCUMENT_TYPES
     return tokenizer, documents and d.add_bos, documents and d.add_eos
 
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{name}={getattr(args, name[2:].replace('-', '_'))} is not allowed: "
                                   f"{'must be > 0' if name == '--max-new-tokens' else 'must be >= 0'}.")
         cfg = read_run_config(args.run_dir)
-        tokenizer, add_bos, stop_at_eos = run_tokenizer(cfg)
+        tokenizer, add_bos, stop_at_eos = run_tokenizer(cfg, args.tokenizer)
         prompt_ids = tokenizer.encode(args.prompt, add_bos=add_bos)
         if not len(prompt_ids):
             raise ConfigError("--prompt is empty and this run's documents have no BOS to start from; give a prompt.")

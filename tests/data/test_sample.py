@@ -94,12 +94,15 @@ def test_run_tokenizer_follows_the_runs_data_keys(tmp_path):
     ("config", [], r"has no checkpoints/ folder"),
     ("config", ["--temperature", "-1"], r"--temperature=-1.0 is not allowed: must be >= 0"),
     ("config", ["--top-k", "x"], r"argument --top-k: invalid int value: 'x'"),
+    ("tokenizer", [], r"tokenizer_path='tok.json' does not exist\. \(the run's tokenizer; give its path with --tokenizer"),
 ])
 def test_sample_user_errors_are_one_line_exit_2(tmp_path, capsys, setup, args, message):
     run = tmp_path / "run"
-    if setup == "config":
+    if setup in ("config", "tokenizer"):
         run.mkdir()
-        save_json(make_config({}), str(run / "config.json"))
+        keys = {"dataset_type": "hf", "hf_train_files": "x.jsonl", "tokenizer_type": "huggingface",
+                "tokenizer_path": "tok.json"} if setup == "tokenizer" else {}
+        save_json(make_config(keys), str(run / "config.json"))
     assert sample.main([str(run), "--prompt", "To be", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
