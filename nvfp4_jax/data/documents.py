@@ -104,8 +104,8 @@ class DocumentBatches:
         available = self.num_batches
         if available is None or steps <= available:
             return steps, None
-        return available, (f"eval data {self.name} holds {self.rows_in_epoch(0)} rows: {available} "
-                           f"batch{'es' if available > 1 else ''} of {self.global_batch_size}, not "
+        return available, (f"eval data {self.name} holds {_count(self.rows_in_epoch(0), 'row')}: "
+                           f"{_count(available, 'batch', 'batches')} of {self.global_batch_size}, not "
                            f"eval_steps={steps}; evaluating on all of it (padding rows count for nothing)")
 
     def describe(self) -> str:
@@ -113,10 +113,10 @@ class DocumentBatches:
         counted = int(self._plan(0)[0].pairs.sum())
         fill = counted / max(rows * self.seq_len, 1)
         layout = "packed" if self.packing else "padded"
-        per = f"{rows / self.global_batch_size:,.1f} steps per epoch" if self.shuffled else \
-            f"{self.num_batches} batches"
-        return (f"{self.name} {self.split}: {len(self.docs):,} documents, {self.num_tokens:,} tokens, "
-                f"{layout} into {rows:,} rows of {self.seq_len} ({fill:.0%} counted; {per})")
+        per = (f"{rows / self.global_batch_size:,.1f} steps per epoch" if self.shuffled
+               else _count(self.num_batches, "batch", "batches"))
+        return (f"{self.name} {self.split}: {_count(len(self.docs), 'document')}, {self.num_tokens:,} tokens, "
+                f"{layout} into {_count(rows, 'row')} of {self.seq_len} ({fill:.0%} counted; {per})")
 
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """This process's rows `[i*B/P, (i+1)*B/P)` of global batch `step`: int32[B/P, L] arrays
@@ -140,6 +140,10 @@ class DocumentBatches:
             pieces = [d[chunks.start[i]:chunks.start[i] + chunks.pairs[i] + 1] for d, i in zip(docs, span)]
             rows.append(packing.assemble_row(pieces, self.seq_len))
         return {key: np.stack([r[key] for r in rows]) for key in packing.BATCH_KEYS}
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
 def _files_keys(data_cfg: DataConfig) -> tuple[str, str, str, str]:

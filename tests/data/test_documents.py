@@ -39,6 +39,7 @@ def test_eval_rows_are_the_hand_packing_of_the_file_order(tmp_path):
     np.testing.assert_array_equal(got["targets_segmentation"], got["inputs_segmentation"])
     np.testing.assert_array_equal(got["inputs_position"], [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 0, 0, 0, 0, 0]])
     assert ds.num_batches == 1
+    assert ds.describe().endswith("eval: 3 documents, 12 tokens, packed into 2 rows of 8 (56% counted; 1 batch)")
     # Padded instead: one document per row.
     padded = _make(DataConfig(**{**cfg.__dict__, "packing": False}), split="eval", batch=3)
     np.testing.assert_array_equal(padded.batch(0)["inputs"][1], [BOS, 99, 100, 101, 0, 0, 0, 0])
