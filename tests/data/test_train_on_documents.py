@@ -90,3 +90,31 @@ def test_kill_9_and_rerun_reproduce_the_losses_bit_for_bit_then_sample(tmp_path,
                          env=_helpers.cli_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("To be") and "checkpoint step 6" in out.stderr
+
+
+def test_the_loop_hands_every_batch_key_to_the_step(tmp_path, capsys):
+    import types
+
+    import jax
+    import numpy as np
+
+    from nvfp4_jax import data, sharding
+    from nvfp4_jax.config import DataConfig, MeshConfig
+    from nvfp4_jax.data import packing
+    from nvfp4_jax.train.loop import _Console, _Segment
+
+    texts = [f"document {i} " * (i % 4 + 1) for i in range(20)]
+    cfg = DataConfig(dataset_type="grain", grain_train_files=corpora.write_parquet(tmp_path / "d.parquet", texts))
+    ds = data.make_dataset(cfg, seq_len=32, global_batch_size=8, seed=0, split="train", vocab_size=258)
+    mesh = sharding.make_mesh(MeshConfig())
+    segment = types.SimpleNamespace(batch_sh=sharding.batch_sharding(mesh), console=_Console(True))
+    small = data.make_dataset(DataConfig(**{**cfg.__dict__, "grain_train_files": corpora.write_parquet(
+        tmp_path / "s.parquet", texts[:3])}), seq_len=32, global_batch_size=8, seed=0, split="train", vocab_size=258)
+    for dataset in (ds, small):
+        step = 1
+        put = _Segment._put(segment, dataset, step)
+        assert sorted(put) == sorted(packing.BATCH_KEYS)
+        for key, value in dataset.batch(step).items():
+            assert put[key].sharding == segment.batch_sh
+            np.testing.assert_array_equal(jax.device_get(put[key]), value)
+    assert "data: batch 1 starts epoch" in capsys.readouterr().out  # the small corpus's new epoch is said
