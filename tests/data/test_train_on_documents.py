@@ -118,3 +118,19 @@ def test_the_loop_hands_every_batch_key_to_the_step(tmp_path, capsys):
             assert put[key].sharding == segment.batch_sh
             np.testing.assert_array_equal(jax.device_get(put[key]), value)
     assert "data: batch 1 starts epoch" in capsys.readouterr().out  # the small corpus's new epoch is said
+
+
+@pytest.mark.slow
+def test_the_real_data_example_script_runs_on_the_bundled_corpus(tmp_path):
+    env = dict(os.environ, NVFP4_JAX_PYTHON=sys.executable, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+               REAL_DATA_DIR=str(tmp_path / "work"))
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine has
+    out = subprocess.run(
+        [os.path.join(REPO, "recipes", "real_data_example.sh"), "steps=2", "base_num_decoder_layers=1",
+         "max_target_length=32", "per_device_batch_size=4", "eval_steps=1", "log_period=1"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.search(r"prepared 39,362 documents, 4,987,07\d tokens", out.stdout)
+    assert re.search(r"documents.array_record train: [\d,]+ documents, .* packed into", out.stdout)
+    assert "completed step: 2," in out.stdout
+    assert re.search(r"^ROMEO:$", out.stdout, re.M)  # sample's continuation of the prompt
