@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvfp4_jax.data import DataError
     from nvfp4_jax.lab.runs import LabError
     from nvfp4_jax.lab.study import run_study
-    from nvfp4_jax.train.run_lock import RunLockedError
+    from nvfp4_jax.train.run_dir import RunLockedError
 
     try:
         run_study(

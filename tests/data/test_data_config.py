@@ -1,6 +1,7 @@
 import pytest
 
-from nvfp4_jax.config import RESUME_MUTABLE_KEYS, ConfigError, DataConfig, make_config, resume_differences, to_dict
+from nvfp4_jax.config import ConfigError, DataConfig, make_config, to_dict
+from nvfp4_jax.train.resume import RESUME_MUTABLE_KEYS, config_differences
 
 
 def test_document_keys_default_to_maxtexts():
@@ -31,9 +32,9 @@ def test_bad_document_keys_fail_in_the_config(args, message):
 def test_only_the_worker_count_may_change_on_resume():
     base = make_config({"dataset_type": "grain", "grain_train_files": "a.array_record"})
     assert "grain_worker_count" in RESUME_MUTABLE_KEYS
-    assert resume_differences(to_dict(base), make_config({**_flat(base), "grain_worker_count": 4})) == []
+    assert config_differences(to_dict(base), make_config({**_flat(base), "grain_worker_count": 4})) == []
     changed = make_config({**_flat(base), "packing": False})
-    assert [key for key, _, _ in resume_differences(to_dict(base), changed)] == ["packing"]
+    assert [key for key, _, _ in config_differences(to_dict(base), changed)] == ["packing"]
 
 
 def _flat(cfg):
