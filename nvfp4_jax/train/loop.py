@@ -92,7 +92,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     if not resume.has_checkpoints(run_dir_lib.checkpoints(run_directory(cfg))):  # a resume ignores it
         params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
     console = _Console(jax.process_index() == 0)
-    global_batch = cfg.train.per_device_batch_size * mesh.devices.size
+    global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size)
     datasets = {
         split: data_lib.make_dataset(
             cfg.data, seq_len=cfg.model.max_target_length, global_batch_size=global_batch,
@@ -123,7 +123,7 @@ class _Segment:
         self.cfg, self.mesh, self.run_dir, self.console, self.stop = cfg, mesh, run_dir, console, stop
         self.progress = progress
         self.train_data, self.eval_data = datasets["train"], datasets["eval"]
-        self.global_batch = cfg.train.per_device_batch_size * mesh.devices.size
+        self.global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size)
         self.manager = None
         self.last_good: tuple[int, bool] | None = None  # (step, verified) of the newest good checkpoint
         self.history: list[dict[str, Any]] = []
