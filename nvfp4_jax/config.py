@@ -36,7 +36,8 @@ QUANTIZATION_BACKENDS = BACKENDS
 # How attention runs when the sequence is split over the `context` mesh axis (MaxText's names):
 # all_gather gathers K/V along the sequence; ulysses exchanges sequence shards for head shards.
 CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ulysses")
-DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
+DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens", "grain", "hf")
+TOKENIZER_TYPES = ("bytes", "huggingface", "sentencepiece", "tiktoken")
 PROFILERS = ("", "xplane")
 
 
@@ -113,6 +114,28 @@ class DataConfig:
     token_dtype: str = "uint16"
     # Fraction of the corpus (its tail) held out for evaluation.
     eval_fraction: float = 0.05
+    # --- Documents: tokenizers, Grain / Hugging Face files, packing (nvfp4_jax/data) ---
+    # grain: local ArrayRecord (from `python -m nvfp4_jax.data prepare`) or Parquet files; hf:
+    # local JSONL/Parquet/Arrow files through `datasets`, offline. Comma-separated globs. Without
+    # eval files the last eval_fraction of the train documents is held out.
+    grain_train_files: str = ""
+    grain_eval_files: str = ""
+    # Threads that tokenize text documents at start-up (the batches do not depend on it).
+    grain_worker_count: int = 1
+    # A `datasets` builder for the files (json, parquet, arrow; empty: from their suffix), or,
+    # without hf_train_files, a local dataset folder (save_to_disk, or one of data files).
+    hf_path: str = ""
+    hf_train_files: str = ""
+    hf_eval_files: str = ""
+    # The text column of JSONL/Parquet/Arrow rows (MaxText's name; one column).
+    train_data_columns: str = "text"
+    # bytes | huggingface (tokenizer.json) | sentencepiece (.model) | tiktoken (BPE file).
+    tokenizer_type: str = "bytes"
+    tokenizer_path: str = ""
+    add_bos: bool = True
+    add_eos: bool = True
+    # Several documents per row with segment ids and positions (MaxText's default), or one per row.
+    packing: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,6 +489,7 @@ def validate(cfg: Config) -> None:
     _check(d.token_dtype in ("uint16", "uint32", "int32"), "token_dtype", d.token_dtype,
            "uint16, uint32 or int32")
     _check(0.0 < d.eval_fraction < 1.0, "eval_fraction", d.eval_fraction, "must lie in (0, 1)")
+    _validate_document_keys(d)
     _check(t.per_device_batch_size > 0, "per_device_batch_size", t.per_device_batch_size,
            "must be > 0 (fractional only when context parallelism shares a sequence)")
     for key in ("steps", "log_period", "eval_interval", "eval_steps",
@@ -495,6 +519,27 @@ def validate(cfg: Config) -> None:
                 "ici_context_parallelism", "dcn_context_parallelism", "ici_tensor_parallelism"):
         value = getattr(mesh, key)
         _check(value == -1 or value > 0, key, value, "must be a positive integer or -1")
+
+
+def _validate_document_keys(d: DataConfig) -> None:
+    """The tokenizer, Grain/HF file and packing keys (files are checked when the data is opened)."""
+    _check(d.tokenizer_type in TOKENIZER_TYPES, "tokenizer_type", d.tokenizer_type,
+           f"choose one of {list(TOKENIZER_TYPES)}")
+    if d.tokenizer_type != "bytes":
+        _check(bool(d.tokenizer_path), "tokenizer_path", d.tokenizer_path,
+               f"tokenizer_type={d.tokenizer_type!r} needs a local tokenizer file")
+        # Those corpora's bytes are their tokens: another tokenizer would only mislead `sample`.
+        _check(d.dataset_type not in ("shakespeare", "text"), "tokenizer_type", d.tokenizer_type,
+               f"dataset_type={d.dataset_type!r} is byte tokens; tokenizers apply to grain, hf and tokens")
+    _check(d.grain_worker_count >= 0, "grain_worker_count", d.grain_worker_count, "must be >= 0")
+    if d.dataset_type == "grain":
+        _check(bool(d.grain_train_files), "grain_train_files", d.grain_train_files,
+               "dataset_type='grain' needs local files (a comma-separated list of globs)")
+    if d.dataset_type == "hf":
+        _check(bool(d.hf_train_files or d.hf_path), "hf_train_files", d.hf_train_files,
+               "dataset_type='hf' needs local files (comma-separated globs) or hf_path=<a local dataset folder>")
+    _check(bool(d.train_data_columns) and "," not in d.train_data_columns, "train_data_columns",
+           d.train_data_columns, "one column name")
 
 
 def _validate_layout_keys(m: ModelConfig) -> None:

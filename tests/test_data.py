@@ -8,7 +8,7 @@ import pytest
 from nvfp4_jax import data
 from nvfp4_jax.config import DataConfig
 
-ASSETS = pathlib.Path(data.__file__).parent / "assets"
+ASSETS = pathlib.Path(data.__file__).parent.parent / "assets"
 SHAKESPEARE = DataConfig(dataset_type="shakespeare")
 
 
@@ -217,3 +217,25 @@ def test_synthetic_ids_in_range_and_deterministic():
     assert not np.array_equal(got["inputs"], held_out.batch(0)["inputs"])
     with pytest.raises(ValueError, match="step must be >= 0"):
         ds.batch(-1)
+
+
+def test_windows_have_no_epochs_and_every_eval_batch():
+    ds = _make()
+    assert all(ds.notice(step) is None for step in range(5))
+    assert ds.eval_limit(1000) == (1000, None)
+
+
+def test_the_byte_corpora_need_none_of_the_data_extra():
+    import subprocess
+    import sys
+
+    # The bundled example runs with the package alone: nothing of the `data` extra is imported.
+    code = ("import sys; from nvfp4_jax import data; from nvfp4_jax.config import DataConfig; "
+            "data.make_dataset(DataConfig(), seq_len=8, global_batch_size=2, seed=0, split='train', "
+            "vocab_size=256).batch(0); data.load_tokenizer('bytes').encode('x', add_eos=True); "
+            "extras = ('grain', 'array_record', 'tokenizers', 'sentencepiece', 'tiktoken', 'datasets', 'pyarrow'); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & set(extras)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(ASSETS.parent.parent))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

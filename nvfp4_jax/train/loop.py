@@ -192,6 +192,9 @@ class _Segment:
 
     def _put(self, dataset, step: int):
         """This process's rows of the global batch, assembled into one sharded array."""
+        notice = dataset.notice(step)  # e.g. a new epoch of a document corpus
+        if notice:
+            self.console.info(notice)
         local = dataset.batch(step, jax.process_index(), jax.process_count())
         return {k: jax.make_array_from_process_local_data(self.batch_sh, v) for k, v in local.items()}
 
@@ -231,7 +234,10 @@ class _Segment:
 
     def _evaluate(self, step: int, *, log: bool = True) -> float:
         if not self.eval_batches:
-            self.eval_batches.extend(self._put(self.eval_data, i) for i in range(self.cfg.train.eval_steps))
+            count, shortfall = self.eval_data.eval_limit(self.cfg.train.eval_steps)
+            if shortfall:
+                self.console.warn(f"warning: {shortfall}")
+            self.eval_batches.extend(self._put(self.eval_data, i) for i in range(count))
         losses = [self.eval_step(self.state, batch) for batch in self.eval_batches]
         value = float(np.mean(jax.device_get(losses)))
         perplexity = math.exp(min(value, 700))

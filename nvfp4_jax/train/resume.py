@@ -38,6 +38,8 @@ RESUME_MUTABLE_KEYS = (
     # Where a fresh run's parameters came from (a resume restores its own checkpoint), and
     # whether metrics also go to TensorBoard.
     "load_parameters_path", "enable_tensorboard",
+    # Threads that tokenize a document corpus at start-up; the batches do not depend on them.
+    "grain_worker_count",
 )
 
 # Where a run is, not what it is.

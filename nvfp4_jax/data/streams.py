@@ -1,4 +1,5 @@
-"""Deterministic, resumable token batches.
+"""Step-indexed windows of one token stream (the `shakespeare`, `synthetic`, `text` and `tokens`
+dataset types; `documents.py` serves `grain` and `hf`).
 
 Sources (`DataConfig.dataset_type`):
 - `shakespeare`: the bundled corpus (`assets/shakespeare.txt.xz`, see `assets/SHAKESPEARE.md`),
@@ -29,15 +30,12 @@ import os
 import numpy as np
 
 from nvfp4_jax.config import DataConfig
+from nvfp4_jax.data.errors import DataError
 
 BYTE_VOCAB_SIZE = 256
 SPLITS = {"train": 0, "eval": 1}
 # Tokens per chunk when scanning a memory-mapped file for its largest id.
 _SCAN_CHUNK = 1 << 24
-
-
-class DataError(ValueError):
-    """A data source that cannot feed the requested batches."""
 
 
 def encode(text: str) -> np.ndarray:
@@ -58,6 +56,16 @@ def shakespeare_bytes() -> bytes:
     """The bundled corpus, uncompressed (UTF-8)."""
     resource = importlib.resources.files("nvfp4_jax").joinpath("assets", "shakespeare.txt.xz")
     return lzma.decompress(resource.read_bytes())
+
+
+def process_rows(batch_size: int, process_index: int, process_count: int) -> range:
+    """The rows `[i*B/P, (i+1)*B/P)` of a global batch that process i of P builds."""
+    if process_count < 1 or batch_size % process_count:
+        raise DataError(f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
+    rows = batch_size // process_count
+    return range(process_index * rows, (process_index + 1) * rows)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +98,14 @@ class TokenBatches:
         return (f"{self.name} {self.split}: {self.num_tokens:,} tokens "
                 f"([{start:,}, {stop:,}) of {len(self.tokens):,})")
 
+    def notice(self, step: int) -> str | None:
+        """Windows are drawn anywhere in the split at every step: there are no epochs to announce."""
+        return None
+
+    def eval_limit(self, steps: int) -> tuple[int, str | None]:
+        """Every requested eval batch exists (windows may overlap)."""
+        return steps, None
+
     def _rng(self, step: int, *extra: int) -> np.random.Generator:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}.")
@@ -107,14 +123,8 @@ class TokenBatches:
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """{"inputs": int32[B/P, L], "targets": int32[B/P, L]}: this process's rows
         `[i*B/P, (i+1)*B/P)` of global batch `step`."""
-        batch_size = self.global_batch_size
-        if process_count < 1 or batch_size % process_count:
-            raise DataError(
-                f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
-        if not 0 <= process_index < process_count:
-            raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
-        rows = batch_size // process_count
-        first = process_index * rows
+        own = process_rows(self.global_batch_size, process_index, process_count)
+        first, rows = own.start, len(own)
         window = self.seq_len + 1
         if self.tokens is None:
             # One generator per row, so each process draws only its own rows.
@@ -169,8 +179,9 @@ def _check_ids(tokens: np.ndarray, start: int, stop: int, vocab_size: int, name:
 
 
 def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: int, split: str,
-                 vocab_size: int) -> TokenBatches:
-    """The batches of `split` ("train" or "eval") of the source `data_cfg` describes.
+                 vocab_size: int):
+    """The batches of `split` ("train" or "eval") of the source `data_cfg` describes: a
+    TokenBatches, or a documents.DocumentBatches for `grain` and `hf` (the same interface).
 
     Raises DataError for a missing file, a file whose ids do not fit `vocab_size` or a split
     shorter than one `seq_len + 1` window. `warnings` holds softer findings (ids that look like a
@@ -182,6 +193,11 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         raise DataError(f"seq_len={seq_len}, global_batch_size={global_batch_size} and "
                         f"vocab_size={vocab_size} must all be positive.")
     kind = data_cfg.dataset_type
+    if kind in ("grain", "hf"):
+        from nvfp4_jax.data.documents import make_document_batches
+
+        return make_document_batches(data_cfg, seq_len=seq_len, global_batch_size=global_batch_size,
+                                     seed=seed, split=split, vocab_size=vocab_size)
     common = dict(split=split, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed,
                   vocab_size=vocab_size)
     if kind == "synthetic":
@@ -194,7 +210,7 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         dtype = np.dtype(data_cfg.token_dtype)
         name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, dtype, kind)
     else:
-        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens.")
+        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens, grain, hf.")
 
     total = len(tokens)
     boundary = total - int(total * data_cfg.eval_fraction)

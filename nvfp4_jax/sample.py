@@ -1,0 +1,179 @@
+"""`python -m nvfp4_jax.sample RUN_DIR --prompt "..." [options]`: text from a run's newest checkpoint.
+
+  --prompt TEXT          the text to continue (document runs start it with BOS when add_bos)
+  --max-new-tokens N     tokens to generate (default 200); stops early at EOS
+  --temperature T        0 (default): greedy; > 0 samples from softmax(logits / T)
+  --top-k K              sample among the K likeliest tokens only (0: all)
+  --seed S               the sampling seed (default 0)
+  --tokenizer PATH       the tokenizer file, when the run's tokenizer_path is not found from here
+
+The run's `config.json` gives the model and the tokenizer (a `grain`/`hf` run's tokenizer keys;
+bytes for the byte corpora). The forward pass is BF16 with plain dots (the parameters are the
+same whatever the training recipe), over the last `max_target_length` tokens. Exit codes: 0
+done, 2 a user error, 4 no intact checkpoint (each one `error: ...` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from nvfp4_jax.config import Config, ConfigError, from_dict
+
+EXIT_OK, EXIT_USER, EXIT_NO_CHECKPOINT = 0, 2, 4
+_DOCUMENT_TYPES = ("grain", "hf")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise ConfigError(f"{message} (see python -m nvfp4_jax.sample --help).")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m nvfp4_jax.sample", add_help=False)
+    parser.add_argument("run_dir")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default="")
+    return parser
+
+
+def read_run_config(run_dir: str) -> Config:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{run_dir!r} is not a run directory: it has no config.json.")
+    with open(path) as f:
+        return from_dict(json.load(f))
+
+
+def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
+    """(tokenizer, add_bos, stop_at_eos) the run's data was made with; `tokenizer_path` replaces
+    the config's (a relative one is relative to where training started)."""
+    from nvfp4_jax.data import DataError, load_tokenizer
+
+    d = cfg.data
+    try:
+        tokenizer = load_tokenizer(d.tokenizer_type, tokenizer_path or d.tokenizer_path)
+    except DataError as exc:
+        raise DataError(f"{exc} (the run's tokenizer; give its path with --tokenizer PATH)") from None
+    documents = d.dataset_type in _DOCUMENT_TYPES
+    return tokenizer, documents and d.add_bos, documents and d.add_eos
+
+
+def next_token(logits_V: np.ndarray, *, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else a draw from softmax(logits / temperature) over the top k."""
+    logits_V = np.asarray(logits_V, np.float64)
+    if temperature == 0:
+        return int(np.argmax(logits_V))
+    scaled_V = logits_V / temperature
+    if 0 < top_k < len(scaled_V):
+        kth = np.partition(scaled_V, -top_k)[-top_k]
+        scaled_V = np.where(scaled_V >= kth, scaled_V, -np.inf)
+    p_V = np.exp(scaled_V - scaled_V.max())
+    return int(rng.choice(len(p_V), p=p_V / p_V.sum()))
+
+
+def load_params(run_dir: str, cfg: Config):
+    """(params, step) of the newest intact checkpoint, restored on one device."""
+    import jax
+
+    from nvfp4_jax import sharding
+    from nvfp4_jax.config import MeshConfig
+    from nvfp4_jax.train import checkpoint
+    from nvfp4_jax.train.build import build_model, state_shardings
+    from nvfp4_jax.train.optimizer import make_optimizer
+
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise ConfigError(f"{run_dir!r} has no checkpoints/ folder (was enable_checkpointing=false?).")
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    # The training model's state tree (FP8 histories included) is what the checkpoint holds.
+    train_model = build_model(cfg.model, quantized=True)
+    abstract, _ = state_shardings(train_model, make_optimizer(cfg.train), cfg.model.max_target_length, mesh)
+    manager = checkpoint.make_manager(ckpt_dir, max_to_keep=cfg.train.max_checkpoints_to_keep)
+    try:
+        restored = checkpoint.restore_newest(manager, abstract, check_record=lambda step, record: None)
+    finally:
+        manager.close()
+    if restored is None:
+        raise ConfigError(f"{ckpt_dir} holds no checkpoint yet.")
+    return restored.state.params, restored.step
+
+
+def bf16_logits(cfg: Config, params):
+    """`logits(tokens_1xL) -> fp32 logits_LxV`: the model with plain BF16 dots, jitted once."""
+    import jax
+    import jax.numpy as jnp
+
+    from nvfp4_jax.train.build import build_model
+
+    model = build_model(dataclasses.replace(cfg.model, dtype="bfloat16"), quantized=False)
+    forward = jax.jit(lambda p, tokens_1xL: model.apply({"params": p}, tokens_1xL)[0])
+    return lambda tokens_1xL: np.asarray(forward(params, jnp.asarray(tokens_1xL)), np.float32)
+
+
+def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, temperature: float, top_k: int,
+             seed: int, eos_id: int | None = None, num_ids: int | None = None) -> list[int]:
+    """New token ids after `prompt_ids`, one call of `logits_fn` per token on the last `length` ids,
+    right-padded to `length` (a causal model never looks at the padding). Only ids below
+    `num_ids` (the tokenizer's) are drawn: a model vocabulary padded past the tokenizer's has
+    rows no text decodes to."""
+    rng = np.random.default_rng(seed)
+    ids = [int(i) for i in prompt_ids]
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        window = ids[-length:]
+        tokens_1xL = np.zeros((1, length), np.int32)
+        tokens_1xL[0, :len(window)] = window
+        logits_V = logits_fn(tokens_1xL)[len(window) - 1][:num_ids]
+        token = next_token(logits_V, temperature=temperature, top_k=top_k, rng=rng)
+        if eos_id is not None and token == eos_id:
+            break
+        ids.append(token)
+        new.append(token)
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return EXIT_OK
+    from nvfp4_jax.data import DataError
+    from nvfp4_jax.train.checkpoint import CheckpointError
+
+    try:
+        args = _parser().parse_args(argv)
+        for name, ok in (("--max-new-tokens", args.max_new_tokens > 0), ("--temperature", args.temperature >= 0),
+                         ("--top-k", args.top_k >= 0)):
+            if not ok:
+                raise ConfigError(f"{name}={getattr(args, name[2:].replace('-', '_'))} is not allowed: "
+                                  f"{'must be > 0' if name == '--max-new-tokens' else 'must be >= 0'}.")
+        cfg = read_run_config(args.run_dir)
+        tokenizer, add_bos, stop_at_eos = run_tokenizer(cfg, args.tokenizer)
+        prompt_ids = tokenizer.encode(args.prompt, add_bos=add_bos)
+        if not len(prompt_ids):
+            raise ConfigError("--prompt is empty and this run's documents have no BOS to start from; give a prompt.")
+        params, step = load_params(args.run_dir, cfg)
+    except (ConfigError, DataError, CheckpointError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return EXIT_NO_CHECKPOINT if isinstance(exc, CheckpointError) else EXIT_USER
+
+    new = generate(bf16_logits(cfg, params), prompt_ids, length=cfg.model.max_target_length,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None, num_ids=tokenizer.vocab_size)
+    print(f"[checkpoint step {step} of {os.path.abspath(args.run_dir)}; {tokenizer.describe()}]", file=sys.stderr)
+    print(tokenizer.decode(np.concatenate([prompt_ids, new]).astype(np.int64)), flush=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
