@@ -45,6 +45,8 @@ QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
 QUANT_KERNELS = ("auto", "pallas", "jnp")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
+# Which forward pass evaluates (TrainConfig.eval_quantization).
+EVAL_QUANTIZATIONS = ("train", "bf16", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,11 @@ class TrainConfig:
     profiler: str = ""
     profile_start_step: int = 5
     profile_steps: int = 3
+    # --- evaluation modes (issue 17) ---
+    # Which forward pass computes the validation loss: "train" (the training recipe's, BF16 once
+    # quantization_end_step has passed), "bf16" (the same weights with BF16 dots: the model a
+    # user ships), or "both" (eval_loss as "train", plus eval_loss_bf16).
+    eval_quantization: str = "train"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +187,8 @@ RESUME_MUTABLE_KEYS = (
     "remat_policy", "num_vocab_tiling",
     # Another backend runs the same numerics where the state trees agree (checked on resume).
     "quantization_backend",
+    # Which forward pass evaluates: never what trains.
+    "eval_quantization",
 )
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
@@ -445,6 +454,8 @@ def validate(cfg: Config) -> None:
     _check(t.gradient_clipping_threshold >= 0, "gradient_clipping_threshold",
            t.gradient_clipping_threshold, "must be >= 0 (0 disables clipping)")
     _check(t.profiler in PROFILERS, "profiler", t.profiler, f"choose one of {list(PROFILERS)}")
+    _check(t.eval_quantization in EVAL_QUANTIZATIONS, "eval_quantization", t.eval_quantization,
+           f"choose one of {list(EVAL_QUANTIZATIONS)}")
     _check(t.profile_start_step >= 0, "profile_start_step", t.profile_start_step, "must be >= 0")
     for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism"):
         value = getattr(mesh, key)
