@@ -28,6 +28,15 @@ class LabError(RuntimeError):
     """A study that cannot go on as asked (e.g. a run directory holding another config)."""
 
 
+class StudyStopped(Exception):
+    """SIGTERM/SIGINT stopped the study: the current run saved, no further run started, the
+    results so far are written. Rerunning the same command resumes it."""
+
+    def __init__(self, signal_name: str, results: dict):
+        super().__init__(f"stopped by {signal_name}")
+        self.signal_name, self.results = signal_name, results
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path) as f:
@@ -63,8 +72,8 @@ def config_differences(saved: dict, cfg: Config) -> list[str]:
 
 def read_metrics(path: str) -> dict[str, dict[int, Any]]:
     """metrics.jsonl -> {"loss": {step: train loss}, "eval_loss": {step: loss},
-    "quant_stats": {step: stats}}."""
-    out: dict[str, dict[int, Any]] = {"loss": {}, "eval_loss": {}, "quant_stats": {}}
+    "eval_loss_bf16": {step: loss}, "quant_stats": {step: stats}}."""
+    out: dict[str, dict[int, Any]] = {"loss": {}, "eval_loss": {}, "eval_loss_bf16": {}, "quant_stats": {}}
     if not os.path.exists(path):
         return out
     with open(path) as f:
@@ -87,6 +96,9 @@ def is_finished(run_dir: str, cfg: Config) -> bool:
         isinstance(summary, dict)
         and summary.get("steps") == cfg.train.steps
         and summary.get("final_eval_loss") is not None
+        and not summary.get("stopped_by")
+        # Evaluated the way this config asks (a run from before eval modes has no BF16 eval).
+        and (cfg.train.eval_quantization == "train" or summary.get("final_eval_loss_bf16") is not None)
     )
 
 
@@ -105,14 +117,18 @@ def check_reusable(run_dir: str, cfg: Config) -> None:
 
 def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:
     """Makes sure the run of `cfg` in `run_dir` is finished: "reused" when it already was,
-    "resumed" when an interrupted run was continued, "trained" when it started from nothing."""
+    "resumed" when an interrupted run was continued (a run without its final evaluation is
+    unfinished: it is completed), "trained" when it started from nothing, "stopped" when a
+    SIGTERM/SIGINT stopped it at a checkpoint (rerunning resumes it)."""
     check_reusable(run_dir, cfg)
     if is_finished(run_dir, cfg):
         return "reused"
     started = os.path.exists(os.path.join(run_dir, "config.json"))
     from nvfp4_jax.train.loop import run  # jax is imported only when something trains
 
-    run(cfg, progress=False, devices=devices)
+    summary = run(cfg, progress=False, devices=devices)
+    if summary.get("stopped_by"):
+        return "stopped"
     return "resumed" if started else "trained"
 
 
@@ -128,7 +144,8 @@ def _windowed(losses: dict[int, float], window: int) -> list[list[float]]:
 
 def read_run(run_dir: str, *, curve_window: int = 10) -> dict[str, Any]:
     """What a study keeps of a finished run: the train-loss curve (means over windows of
-    `curve_window` steps), the eval losses, the final validation loss, tokens/s, and the
+    `curve_window` steps), the eval losses (recipe and BF16 forward), the final validation
+    losses, tokens/s, and the
     quantization statistics of the last evaluation that measured them."""
     summary = _read_json(os.path.join(run_dir, "summary.json")) or {}
     metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -137,7 +154,9 @@ def read_run(run_dir: str, *, curve_window: int = 10) -> dict[str, Any]:
     return {
         "loss_curve": _windowed(metrics["loss"], curve_window),
         "eval_losses": [[s, metrics["eval_loss"][s]] for s in sorted(metrics["eval_loss"])],
+        "eval_losses_bf16": [[s, metrics["eval_loss_bf16"][s]] for s in sorted(metrics["eval_loss_bf16"])],
         "final_eval_loss": summary.get("final_eval_loss"),
+        "final_eval_loss_bf16": summary.get("final_eval_loss_bf16"),
         "tokens_per_second_per_device": summary.get("median_tokens_per_second_per_device"),
         "median_step_seconds": summary.get("median_step_seconds"),
         "quant_stats_step": last,

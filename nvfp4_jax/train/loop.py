@@ -145,6 +145,7 @@ class _Segment:
         self.eval_batches: list = []  # the same held-out batches every time: loaded once
         self.writer = None
         self.last_eval: dict[str, Any] = {}
+        self.evaluated_at_start = True  # set from metrics.jsonl by the lead process
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -365,6 +366,8 @@ class _Segment:
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.console.is_lead:
             self.writer = metrics_lib.MetricsWriter(metrics_path, start=self.start)
+            self.evaluated_at_start = any(r.get("step") == self.start and "eval_perplexity" in r
+                                          for r in metrics_lib.read_metrics(metrics_path))
             if self.writer.dropped:
                 self.console.info(f"metrics.jsonl: dropped {self.writer.dropped} lines logged after step "
                                   f"{self.start} by an earlier segment (this one logs those steps again).")
@@ -405,7 +408,9 @@ class _Segment:
                     self._evaluate(reached)
             if pending is not None:
                 self._report(pending)
-            if stopped_by is None and reached > self.start:
+            # A run stopped in its last step resumes with nothing to train but still owes its
+            # final evaluation.
+            if stopped_by is None and (reached > self.start or (reached == t.steps and not self.evaluated_at_start)):
                 final_eval = self._evaluate(reached)
             elif stopped_by is not None:
                 saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"

@@ -115,5 +115,5 @@ def test_a_run_held_by_another_process_stops_the_lab_with_one_line(tmp_path):
     done = _lab(*TINY, "steps=2", "--arms", "bf16", "--seeds", "1", "--out", str(tmp_path / "study"), cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert "lab error:" in done.stderr and "in use by pid 1 on host another-host" in done.stderr
+    assert "error:" in done.stderr and "in use by pid 1 on host another-host" in done.stderr
     assert (held / "run.lock").exists() and not (held / "checkpoints").exists()
