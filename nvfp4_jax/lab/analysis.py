@@ -149,9 +149,37 @@ def analyze(runs: Sequence[dict], arms: Sequence[str], reference: str | None, st
         sds = [r["sd"] for r in rows if r["against"] == reference and r["sd"] is not None]
         if sds:
             out["noise_floor"][metric] = math.sqrt(sum(s * s for s in sds) / len(sds))
+    out["ranking_by_seed"] = ranking_by_seed(per, "final_eval")
+    out["train_gap_by_quarter"] = {
+        f"{arm} vs {against}": gap_by_segment(curves.get(arm, {}), curves.get(against, {}), steps)
+        for arm, against in pairs}
     if reference in per:
         out["tokens_to_target"] = tokens_to_target(per, curves, reference, tokens_per_step,
                                                    span=TAIL_FRACTION * steps)
+    return out
+
+
+def ranking_by_seed(per: dict, metric: str) -> dict[int, list[list]]:
+    """Per seed, [[arm, value], ...] from the lowest `metric` to the highest."""
+    seeds = sorted({s for by_seed in per.values() for s in by_seed})
+    return {s: sorted(([a, by_seed[s][metric]] for a, by_seed in per.items()
+                       if s in by_seed and by_seed[s][metric] is not None), key=lambda av: av[1])
+            for s in seeds}
+
+
+def gap_by_segment(ours: dict, theirs: dict, steps: int, segments: int = 4) -> list[float | None]:
+    """The mean over common seeds of the percent gap of the mean training loss in each of
+    `segments` equal spans of the steps (how a gap develops over training)."""
+    out = []
+    for i in range(segments):
+        lo, hi = i * steps / segments, (i + 1) * steps / segments
+        gaps = []
+        for s in sorted(set(ours) & set(theirs)):
+            a = [l for st, l in ours[s] if lo < st <= hi]
+            b = [l for st, l in theirs[s] if lo < st <= hi]
+            if a and b:
+                gaps.append(100.0 * (stats.mean(a) - stats.mean(b)) / stats.mean(b))
+        out.append(stats.mean(gaps) if gaps else None)
     return out
 
 

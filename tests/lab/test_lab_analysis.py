@@ -95,3 +95,11 @@ def test_comparisons_holm_and_verdicts_follow_the_corrected_numbers():
     # The noise floor: RMS of the per-seed differences' sd over the comparisons to bf16.
     sds = [evals[(a, "bf16")]["sd"] for a in ("te_fp8_delayedscaling", "te_nvfp4", "mxfp4")]
     assert out["noise_floor"]["final_eval"] == pytest.approx(math.sqrt(sum(s * s for s in sds) / 3))
+
+
+def test_gap_by_quarter_and_ranking_by_seed():
+    ours = {0: _curve(lambda s: 2.0 + (0.02 if s > 300 else 0.0), 400)}
+    theirs = {0: _curve(lambda s: 2.0, 400)}
+    assert analysis.gap_by_segment(ours, theirs, 400) == pytest.approx([0.0, 0.0, 0.0, 1.0])
+    per = {"a": {0: {"final_eval": 2.0}, 1: {"final_eval": 1.0}}, "b": {0: {"final_eval": 1.5}, 1: {"final_eval": 3.0}}}
+    assert analysis.ranking_by_seed(per, "final_eval") == {0: [["b", 1.5], ["a", 2.0]], 1: [["a", 1.0], ["b", 3.0]]}
