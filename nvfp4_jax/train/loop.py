@@ -145,7 +145,7 @@ class _Segment:
         self.eval_batches: list = []  # the same held-out batches every time: loaded once
         self.writer = None
         self.last_eval: dict[str, Any] = {}
-        self.evaluated_at_start = True  # set from metrics.jsonl by the lead process
+        self.evaluated_at_start = True  # from metrics.jsonl (the lead's), see run()
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -371,7 +371,14 @@ class _Segment:
             if self.writer.dropped:
                 self.console.info(f"metrics.jsonl: dropped {self.writer.dropped} lines logged after step "
                                   f"{self.start} by an earlier segment (this one logs those steps again).")
-        if self.start >= t.steps:
+        if jax.process_count() > 1:  # every process must agree to run (or skip) the evaluation
+            from jax.experimental import multihost_utils
+
+            self.evaluated_at_start = bool(multihost_utils.broadcast_one_to_all(np.int32(self.evaluated_at_start)))
+        if self.start == t.steps and not self.evaluated_at_start:
+            self.console.info(f"The run in {self.run_dir} stopped in its last step before its final evaluation: "
+                              "evaluating it now.")
+        elif self.start >= t.steps:
             self.console.info(f"The run in {self.run_dir} is already at step {self.start} of steps={t.steps}: "
                               "nothing to train. Raise steps=... to continue it, or pick a new run_name=...")
         if self.console.is_lead:
