@@ -73,3 +73,58 @@ def test_bf16_eval_equals_a_plain_bf16_model_on_the_same_weights_and_the_tail_ev
 def test_bad_eval_quantization_names_the_choices():
     with pytest.raises(ConfigError, match=r"eval_quantization.*'train', 'bf16', 'both'"):
         load_config(["eval_quantization=fp4"])
+
+
+class _Writer:
+    def __init__(self):
+        self.records = []
+
+    def write(self, record):
+        self.records.append(record)
+
+
+def _segment(mode, *, quantized=True, end=-1):
+    """A loop segment with stand-in eval steps: the quantized one returns 2.5, the BF16 one 2.0
+    (the routing is what is tested here; the numbers are the slow test's)."""
+    seg = object.__new__(loop._Segment)
+    seg.cfg = load_config(ARGS + [f"eval_quantization={mode}", f"quantization_end_step={end}",
+                                  "quantization=te_nvfp4" if quantized else "quantization=bf16"])
+    seg.eval_batches = ["batch"]
+    seg.state = None
+    seg.writer = _Writer()
+    seg.console = loop._Console(False)
+    seg.stats_step = None
+    seg.eval_step = lambda state, batch: np.float32(2.5 if quantized else 2.0)
+    seg.eval_step_bf16 = (lambda state, batch: np.float32(2.0)) if quantized else None
+    seg.last_eval = {}
+    return seg
+
+
+@pytest.mark.parametrize("mode, want", [
+    ("train", {"eval_loss": 2.5}),
+    ("bf16", {"eval_loss_bf16": 2.0}),
+    ("both", {"eval_loss": 2.5, "eval_loss_bf16": 2.0}),
+])
+def test_eval_quantization_picks_the_forward_passes(mode, want):
+    seg = _segment(mode)
+    value = seg._evaluate(10)
+    (record,) = seg.writer.records
+    assert {k: v for k, v in record.items() if k.startswith("eval_loss")} == want
+    assert value == want.get("eval_loss", want.get("eval_loss_bf16"))
+    assert record["eval_perplexity"] == pytest.approx(np.exp(value))
+
+
+def test_from_quantization_end_step_on_evaluation_is_bf16_too():
+    seg = _segment("both", end=10)
+    seg._evaluate(9)  # the next step still quantizes
+    seg._evaluate(10)  # the next step is BF16: so is "the training recipe's" evaluation
+    before, after = seg.writer.records
+    assert (before["eval_loss"], before["eval_loss_bf16"]) == (2.5, 2.0)
+    assert (after["eval_loss"], after["eval_loss_bf16"]) == (2.0, 2.0)
+
+
+def test_a_bf16_run_evaluates_once_for_both():
+    seg = _segment("both", quantized=False)
+    seg._evaluate(5)
+    (record,) = seg.writer.records
+    assert record["eval_loss"] == record["eval_loss_bf16"] == 2.0
