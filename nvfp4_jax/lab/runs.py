@@ -118,7 +118,7 @@ def check_reusable(run_dir: str, cfg: Config) -> None:
 def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:
     """Makes sure the run of `cfg` in `run_dir` is finished: "reused" when it already was,
     "resumed" when an interrupted run was continued (a run without its final evaluation is
-    unfinished: it is completed), "trained" when it started from nothing, "stopped" when a
+    unfinished: it is completed), "trained" when it started from nothing, "stopped: <signal>" when a
     SIGTERM/SIGINT stopped it at a checkpoint (rerunning resumes it)."""
     check_reusable(run_dir, cfg)
     if is_finished(run_dir, cfg):
@@ -128,7 +128,7 @@ def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:
 
     summary = run(cfg, progress=False, devices=devices)
     if summary.get("stopped_by"):
-        return "stopped"
+        return f"stopped: {summary['stopped_by']}"
     return "resumed" if started else "trained"
 
 

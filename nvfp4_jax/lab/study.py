@@ -157,17 +157,18 @@ def run_study(
                       "extended": extended, "run_directory": os.path.relpath(run_dir, out_dir),
                       **runs.read_run(run_dir, curve_window=curve_window)}
             record["train_tail"] = analysis.tail_mean(record["loss_curve"], cfg.train.steps)
-            if status.startswith("diverged") or status == "stopped":
+            stopped = status.startswith("stopped")
+            if status.startswith("diverged"):
                 record["final_eval_loss"] = record["final_eval_loss_bf16"] = None
-            if status != "stopped":
-                results["extended_runs" if extended else "runs"].append(record)
-            loss = record["final_eval_loss"]
-            log(f"[lab] {i}/{len(plan)} {arm.name}{' (extended)' if extended else ''} seed {seed}: "
-                f"{status.split(':')[0]}, final validation loss {'n/a' if loss is None else f'{loss:.4f}'}")
-            write(final=False)
-            if status == "stopped":
-                stop.signal_name = stop.signal_name or "a signal during the run"
+            where = f"[lab] {i}/{len(plan)} {arm.name}{' (extended)' if extended else ''} seed {seed}"
+            if stopped:  # saved at a checkpoint, not finished: not part of the results
+                log(f"{where}: {status.replace(':', ' by')} (checkpoint saved; rerun to resume it)")
+                stop.signal_name = stop.signal_name or status.split(": ", 1)[1]
                 break
+            results["extended_runs" if extended else "runs"].append(record)
+            loss = record["final_eval_loss"]
+            log(f"{where}: {status.split(':')[0]}, final validation loss {'n/a' if loss is None else f'{loss:.4f}'}")
+            write(final=False)
         if stop.requested:
             write(final=False)
             log(f"[lab] stopped by {stop.signal_name}: wrote the results so far to "

@@ -25,7 +25,7 @@ def _fake_training(calls, *, signal_after=None, stopped=()):
         if runs.is_finished(run_dir, cfg):
             return "reused"
         if name in stopped:
-            return "stopped"
+            return "stopped: SIGTERM"
         os.makedirs(run_dir, exist_ok=True)
         offset = 0.1 * (cfg.model.quantization != "bf16") + 0.01 * cfg.train.seed
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
@@ -78,7 +78,8 @@ def test_a_run_stopped_by_a_signal_stops_the_study_and_is_not_reported_as_traine
     assert calls == ["bf16-seed0", "te_nvfp4-seed0"]
     written = json.loads((tmp_path / "results.json").read_text())
     assert [r["arm"] for r in written["runs"]] == ["bf16"]  # not "trained, final loss n/a"
-    assert "te_nvfp4 seed 0: stopped" in messages[1] and "run the same command again" in messages[-1]
+    assert "te_nvfp4 seed 0: stopped by SIGTERM (checkpoint saved" in messages[1]
+    assert "stopped by SIGTERM" in messages[-1] and "run the same command again" in messages[-1]
 
 
 def test_the_command_exits_75_when_stopped(tmp_path, monkeypatch):
