@@ -78,6 +78,13 @@ def check(path: str, *, which: str | None = None, devices=None, log: Callable[[s
     if prov.get("commit") != now["commit"] or now["dirty"]:
         log(f"[check] note: the study was made at {prov.get('commit')}{' (dirty)' if prov.get('dirty') else ''}, "
             f"this is {now['commit']}{' (dirty)' if now['dirty'] else ''}.")
+    recorded_devices = (prov.get("device") or {}).get("count")
+    if devices is None and recorded_devices:
+        import jax
+
+        if jax.device_count() != recorded_devices:
+            log(f"[check] note: the study ran on {recorded_devices} device(s), this process has "
+                f"{jax.device_count()}; a different mesh changes the sums' order, so expect differences.")
     window = results["study"].get("curve_window", 10)
     with tempfile.TemporaryDirectory(prefix="nvfp4_lab_check_") as tmp:
         cfg = from_dict({**to_dict(recorded), "train": {**to_dict(recorded)["train"], "base_output_directory": tmp}})
