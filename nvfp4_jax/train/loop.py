@@ -271,7 +271,7 @@ class _Segment:
             return float(np.mean(jax.device_get([eval_step(self.state, b) for b in self.eval_batches])))
 
         mode = self.cfg.train.eval_quantization
-        trains_quantized = self.eval_step_bf16 is not None and self._quantizes(step)
+        trains_quantized = self.quantizes_anything and self._quantizes(step)
         record: dict[str, Any] = {"step": step}
         if mode in ("train", "both"):
             record["eval_loss"] = loss_of(self.eval_step if trains_quantized else self._bf16_eval())
@@ -298,9 +298,9 @@ class _Segment:
     def _bf16_eval(self):
         """The eval step of the same parameters with BF16 dots, compiled on first use (a BF16 run
         evaluates with its only model)."""
-        if self.eval_step_bf16 is None:
+        if not self.quantizes_anything:
             return self.eval_step
-        if self.eval_step_bf16 == "unbuilt":
+        if self.eval_step_bf16 is None:
             self.eval_step_bf16 = jit_eval_step(build_model(self.cfg.model, quantized=False), self.mesh,
                                                 self.state_sh)
         return self.eval_step_bf16
@@ -352,10 +352,11 @@ class _Segment:
             else None
         )
         self.eval_step = jit_eval_step(model, self.mesh, state_sh)
-        # None: the run's model already is BF16 (nothing quantized), so it is its own BF16 eval.
+        # Decided once: whether a BF16 evaluation differs from this model's (nothing quantized:
+        # the model is its own BF16 evaluation). Its eval step is compiled on first use.
         self.state_sh = state_sh
-        self.eval_step_bf16 = "unbuilt" if (m.quantization not in ("", "bf16")
-                                            or m.attention_quantization == "fp8") else None
+        self.quantizes_anything = m.quantization not in ("", "bf16") or m.attention_quantization == "fp8"
+        self.eval_step_bf16 = None
         self.stats_step = (jit_quant_stats_step(m, self.mesh, state_sh, backend=self.backend)
                            if t.quant_stats else None)
         self.throughput = metrics_lib.Throughput(

@@ -95,6 +95,7 @@ def _segment(mode, *, quantized=True, end=-1):
     seg.console = loop._Console(False)
     seg.stats_step = None
     seg.eval_step = lambda state, batch: np.float32(2.5 if quantized else 2.0)
+    seg.quantizes_anything = quantized
     seg.eval_step_bf16 = (lambda state, batch: np.float32(2.0)) if quantized else None
     seg.last_eval = {}
     return seg
