@@ -56,7 +56,14 @@ def test_two_arm_two_step_lab_from_the_command_line(tmp_path):
     assert rows["te_nvfp4"]["welch_p"] is None  # one seed: no test, and the table says so
     table = (out / "summary.md").read_text()
     assert "| `bf16` | 1 |" in table and "(reference)" in table
-    assert f"| `te_nvfp4` | 1 | {rows['te_nvfp4']['mean']:.4f} ± n/a | {gap:+.4f} |" in table
+    bf16_forward = by_arm["te_nvfp4"]["final_eval_loss_bf16"]
+    assert f"| `te_nvfp4` | 1 | {rows['te_nvfp4']['mean']:.4f} ± n/a | {bf16_forward:.4f} ± n/a |" in table
+    assert f"| {gap:+.4f} |" in table
+    # The lab evaluates both ways: BF16's two evaluations are one; NVFP4's differ (FP4 at eval time).
+    assert by_arm["bf16"]["final_eval_loss_bf16"] == by_arm["bf16"]["final_eval_loss"]
+    assert bf16_forward != by_arm["te_nvfp4"]["final_eval_loss"]
+    assert [p[0] for p in by_arm["te_nvfp4"]["eval_losses_bf16"]] == [1, 2]
+    assert results["study"]["provenance"]["commit"] and "## Conclusions" in table
 
     try:
         import matplotlib  # noqa: F401
