@@ -1,0 +1,233 @@
+"""`python -m nvfp4_jax.federated [config.yml] [key=value ...] --sites N --rounds R [options]`
+
+Federated training of this project's Llama on NVIDIA FLARE: FedAvg on the server (weighted by the
+samples each site trained), this project's trainer on every site (any `quantization`, any local
+mesh), per-site sample budgets. Runs the job in FLARE's simulator on this machine, or with
+`--export DIR` writes the FLARE job folder for real sites instead (docs/federated.md).
+
+Options:
+  --sites N                 number of sites (default 3)
+  --rounds R                FedAvg rounds (default 3)
+  --budget P                equal | static | adaptive (default adaptive): how a round's samples
+                            are split between sites
+  --samples-per-round S     the round's total samples over all sites (default: 4 steps of the
+                            global batch per site)
+  --w-time W, --w-energy W  weights of per-sample time and energy in a site's cost (1, 0)
+  --ema A, --deadband D     smoothing of the measured costs (0.5) and the deadband (0.05)
+  --update K                full | diff | subset (default diff): what a site sends
+  --trainable T             with --update subset: mlp | last:N | a regex over parameter paths
+  --compression C           none | fp8 | nvfp4 (default none), with error feedback on the site
+  --privacy F               none | percentile | svt | gaussian (FLARE result filters)
+  --clip-norm X, --noise-multiplier X   options of --privacy gaussian
+  --dirichlet-alpha A       split the bundled corpus by play between the sites, Dirichlet(A) per
+                            genre (default 1.0; used when the data is the bundled corpus)
+  --site-data PATH          one per site (repeat N times): each site's own text file
+  --slowdown F1,F2,...      per-site compute slowdown factors (experiments), >= 1
+  --watts W1,W2,...         per-site power for the stated energy model (joules = W x seconds)
+  --site-devices K          local devices per site (default 1; FSDP over them)
+  --min-responses M         a round completes with M results (default: all sites)
+  --round-timeout S         seconds a round waits for results (default 0: forever)
+  --disk-offload            FedAvg aggregates large updates through disk (FLARE)
+  --stream-tensors          FLARE tensor streaming for the model exchange (big models)
+  --export DIR              write the FLARE job folder to DIR instead of simulating
+  --debug                   tracebacks with errors
+
+Exit codes: 0 done, 2 a bad setting (one `error: ...` line), 1 an internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+
+from nvfp4_jax.config import ConfigError, config_layers, make_config
+
+DEFAULTS = {
+    "model_name": "tiny", "quantization": "te_nvfp4", "max_target_length": 128,
+    "per_device_batch_size": 4, "eval_steps": 2, "run_name": "federated",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m nvfp4_jax.federated", add_help=False)
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--budget", default="adaptive")
+    p.add_argument("--samples-per-round", type=int, default=0)
+    p.add_argument("--w-time", type=float, default=1.0)
+    p.add_argument("--w-energy", type=float, default=0.0)
+    p.add_argument("--ema", type=float, default=0.5)
+    p.add_argument("--deadband", type=float, default=0.05)
+    p.add_argument("--update", default="diff")
+    p.add_argument("--trainable", default="all")
+    p.add_argument("--compression", default="none")
+    p.add_argument("--privacy", default="none")
+    p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--noise-multiplier", type=float, default=0.0)
+    p.add_argument("--dirichlet-alpha", type=float, default=1.0)
+    p.add_argument("--site-data", action="append", default=[])
+    p.add_argument("--slowdown", default="")
+    p.add_argument("--watts", default="")
+    p.add_argument("--site-devices", type=int, default=1)
+    p.add_argument("--min-responses", type=int, default=0)
+    p.add_argument("--round-timeout", type=int, default=0)
+    p.add_argument("--disk-offload", action="store_true")
+    p.add_argument("--stream-tensors", action="store_true")
+    p.add_argument("--export", default="")
+    p.add_argument("--workspace", default="")
+    p.add_argument("--crash-site-in-round", default="", help=argparse.SUPPRESS)  # tests: "site-2:1"
+    return p
+
+
+def _floats(text: str, n: int, name: str, default: float | None) -> list:
+    if not text:
+        return [default] * n
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--{name}={text!r} must be {n} comma-separated numbers, one per site") from None
+    if len(values) != n:
+        raise ConfigError(f"--{name}={text!r} gives {len(values)} values for {n} sites")
+    return values
+
+
+def build_spec(argv: list[str]):
+    """(FederatedSpec, options) from the command line; ConfigError for anything wrong."""
+    from nvfp4_jax.federated import budget as budget_lib
+    from nvfp4_jax.federated import contract as contract_lib
+    from nvfp4_jax.federated import privacy as privacy_lib
+    from nvfp4_jax.federated.job import FederatedSpec, SiteSpec
+
+    args, rest = _parser().parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("--")]
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r} (see --help)")
+    if args.sites < 1:
+        raise ConfigError(f"--sites={args.sites} must be at least 1")
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds={args.rounds} must be at least 1")
+    if args.site_devices < 1:
+        raise ConfigError(f"--site-devices={args.site_devices} must be at least 1")
+    if not 0 <= args.min_responses <= args.sites:
+        raise ConfigError(f"--min-responses={args.min_responses} must be between 0 (all) and --sites={args.sites}")
+    if args.round_timeout < 0:
+        raise ConfigError(f"--round-timeout={args.round_timeout} must be >= 0")
+    if args.privacy not in privacy_lib.PRIVACY:
+        raise ConfigError(f"--privacy={args.privacy!r} is not one of {', '.join(privacy_lib.PRIVACY)}")
+    layers = [DEFAULTS, *config_layers(rest)]
+    merged = {k: v for layer in layers for k, v in layer.items()}
+    cfg = make_config(*layers)  # validates every training key
+    n = args.sites
+    global_batch = cfg.train.per_device_batch_size * args.site_devices
+    total = args.samples_per_round or 4 * global_batch * n
+    if "steps" not in merged:  # the learning-rate schedule spans the sites' expected local steps
+        merged["steps"] = max(1, args.rounds * total // (n * global_batch))
+    policy = budget_lib.BudgetPolicy(
+        name=args.budget, total_samples=total, quantum=global_batch, w_time=args.w_time,
+        w_energy=args.w_energy, ema=args.ema, deadband=args.deadband)
+    contract = contract_lib.UpdateContract(kind=args.update, trainable=args.trainable,
+                                           compression=args.compression)
+    try:
+        budget_lib.check_policy(policy, n)
+        contract_lib.check_contract(contract)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.privacy != "none" and (not contract.sends_difference or contract.compression != "none"):
+        raise ConfigError(f"--privacy={args.privacy} filters uncompressed differences: use --update diff "
+                          "(or subset) with --compression none")
+    slowdowns = _floats(args.slowdown, n, "slowdown", 1.0)
+    if any(not s >= 1.0 for s in slowdowns):
+        raise ConfigError(f"--slowdown={args.slowdown!r}: every factor must be >= 1")
+    watts = _floats(args.watts, n, "watts", None)
+    if any(w is not None and not w > 0 for w in watts):
+        raise ConfigError(f"--watts={args.watts!r}: every power must be > 0")
+    if args.site_data and len(args.site_data) != n:
+        raise ConfigError(f"--site-data was given {len(args.site_data)} times for --sites={n}: give one path per site")
+    for path in args.site_data:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--site-data {path!r} is not a file")
+    crash = {}
+    if args.crash_site_in_round:
+        site, _, rnd = args.crash_site_in_round.partition(":")
+        crash[site] = int(rnd)
+    run_dir = os.path.abspath(os.path.join(cfg.train.base_output_directory, cfg.train.run_name))
+    data_paths = list(args.site_data)
+    corpus = None
+    if not data_paths and cfg.data.dataset_type == "shakespeare":
+        corpus = (os.path.join(run_dir, "site_data"), args.dirichlet_alpha, cfg.train.seed)
+        if not (args.dirichlet_alpha > 0):
+            raise ConfigError(f"--dirichlet-alpha={args.dirichlet_alpha} must be > 0")
+        data_paths = [os.path.join(corpus[0], f"site-{i}.txt") for i in range(1, n + 1)]
+    elif not data_paths:
+        data_paths = [""] * n
+    sites = tuple(
+        SiteSpec(name=f"site-{i}", data_path=data_paths[i - 1], slowdown=slowdowns[i - 1], watts=watts[i - 1],
+                 devices=args.site_devices, device_offset=(i - 1) * args.site_devices,
+                 crash_in_round=crash.get(f"site-{i}", 0))
+        for i in range(1, n + 1))
+    spec = FederatedSpec(
+        run_config={k: v for k, v in merged.items()}, sites=sites, rounds=args.rounds, policy=policy,
+        contract=contract, privacy=args.privacy,
+        privacy_options={"clip_norm": args.clip_norm, "noise_multiplier": args.noise_multiplier},
+        output_dir=run_dir, min_responses=args.min_responses, round_timeout=args.round_timeout,
+        disk_offload=args.disk_offload, stream_tensors=args.stream_tensors,
+        eval_batches=cfg.train.eval_steps)
+    return spec, args, corpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("NVFP4_JAX_DEBUG", "") not in ("", "0")
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        spec, args, corpus = build_spec(argv)
+        if corpus is not None:
+            from nvfp4_jax.federated.split import write_site_corpora
+
+            try:
+                holdings = write_site_corpora(corpus[0], len(spec.sites), corpus[1], corpus[2])
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            for h in holdings:
+                genres = ", ".join(f"{g} {c}" for g, c in sorted(h["genres"].items()))
+                print(f"[federated] {h['site']}: {h['plays']} plays ({genres}), {h['bytes']} bytes", flush=True)
+    except ConfigError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        import nvflare  # noqa: F401
+    except ImportError:
+        print("error: federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'", file=sys.stderr)
+        return 2
+    from nvfp4_jax.federated import job as job_lib
+
+    if args.export:
+        where = job_lib.export(spec, os.path.abspath(args.export))
+        print(f"[federated] FLARE job folder written to {where} (see docs/federated.md to run it on real sites)")
+        return 0
+    p = spec.policy
+    print(f"[federated] {len(spec.sites)} sites x {spec.rounds} rounds, budget={p.name} "
+          f"({p.total_samples} samples a round), update={spec.contract.kind}, "
+          f"compression={spec.contract.compression}, privacy={spec.privacy}; results in {spec.output_dir}",
+          flush=True)
+    workspace = args.workspace or os.path.join(spec.output_dir, "flare_workspace")
+    job_lib.simulate(spec, workspace)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

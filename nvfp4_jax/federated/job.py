@@ -1,0 +1,106 @@
+"""The FLARE job: `BudgetedFedAvg` on the server, this project's client script on every site.
+
+`FederatedSpec` is everything the command line decides (config as data); `build_job` turns it into
+a FLARE `FedJob` that runs in FLARE's simulator on one machine (`simulate`) or exports as a job
+folder for a real deployment (`export`: POC mode or provisioned sites, see docs/federated.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from nvfp4_jax.federated import budget as budget_lib
+from nvfp4_jax.federated import contract as contract_lib
+from nvfp4_jax.federated import privacy as privacy_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    name: str
+    data_path: str = ""  # empty: the run config's own data
+    slowdown: float = 1.0
+    watts: float | None = None
+    devices: int = 0
+    device_offset: int = 0
+    crash_in_round: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedSpec:
+    run_config: dict  # the training config's layers merged (flat MaxText keys)
+    sites: tuple[SiteSpec, ...]
+    rounds: int
+    policy: budget_lib.BudgetPolicy
+    contract: contract_lib.UpdateContract
+    privacy: str = "none"
+    privacy_options: dict = dataclasses.field(default_factory=dict)
+    output_dir: str = ""
+    min_responses: int = 0
+    round_timeout: int = 0
+    eval_batches: int = 2
+    disk_offload: bool = False
+    stream_tensors: bool = False
+    name: str = "nvfp4_jax_fedavg"
+
+
+def _client_script() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
+
+
+def _script_args(site: SiteSpec) -> str:
+    args = [f"--slowdown {site.slowdown}", f"--devices {site.devices}", f"--device-offset {site.device_offset}"]
+    if site.data_path:
+        args.append(f"--data-path {site.data_path}")
+    if site.watts is not None:
+        args.append(f"--watts {site.watts}")
+    if site.crash_in_round:
+        args.append(f"--crash-in-round {site.crash_in_round}")
+    return " ".join(args)
+
+
+def build_job(spec: FederatedSpec):
+    from nvflare.fuel.utils.constants import FrameworkType
+    from nvflare.job_config.api import FedJob
+    from nvflare.job_config.script_runner import ScriptRunner
+
+    from nvfp4_jax.federated.server import BudgetedFedAvg
+
+    job = FedJob(name=spec.name, min_clients=spec.min_responses or len(spec.sites))
+    job.to_server(BudgetedFedAvg(
+        run_config=spec.run_config,
+        site_names=[s.name for s in spec.sites],
+        num_rounds=spec.rounds,
+        budget_policy=dataclasses.asdict(spec.policy),
+        update_contract=dataclasses.asdict(spec.contract),
+        output_dir=spec.output_dir,
+        min_responses=spec.min_responses,
+        round_timeout=spec.round_timeout,
+        eval_batches=spec.eval_batches,
+        enable_tensor_disk_offload=spec.disk_offload,
+    ))
+    if spec.stream_tensors:
+        from nvflare.app_opt.tensor_stream.client import TensorClientStreamer
+        from nvflare.app_opt.tensor_stream.server import TensorServerStreamer
+
+        job.to_server(TensorServerStreamer(format="numpy"), id="tensor_server_streamer")
+    for site in spec.sites:
+        job.to(ScriptRunner(script=_client_script(), script_args=_script_args(site),
+                            framework=FrameworkType.NUMPY), site.name)
+        result_filter = privacy_lib.make_filter(spec.privacy, spec.privacy_options)
+        if result_filter is not None:
+            from nvflare.job_config.defs import FilterType
+
+            job.to(result_filter, site.name, filter_type=FilterType.TASK_RESULT)
+        if spec.stream_tensors:
+            job.to(TensorClientStreamer(format="numpy"), site.name, id="tensor_client_streamer")
+    return job
+
+
+def simulate(spec: FederatedSpec, workspace: str, log_config: str = "concise") -> None:
+    build_job(spec).simulator_run(workspace, threads=len(spec.sites), log_config=log_config)
+
+
+def export(spec: FederatedSpec, directory: str) -> str:
+    build_job(spec).export_job(directory)
+    return os.path.join(directory, spec.name)

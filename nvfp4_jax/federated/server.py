@@ -1,0 +1,173 @@
+"""The server side: FedAvg (FLARE's controller) with per-site sample budgets and a global evaluation.
+
+`BudgetedFedAvg` is FLARE's `FedAvg` (weighted by each site's `NUM_STEPS_CURRENT_ROUND`, which our
+sites set to the samples they trained) with three additions, each in one override:
+- `send_model`: every round's task carries the run's training config, the update contract and
+  each site's sample budget (the `budget` policy, from the sites' measured costs);
+- `_aggregate_one_result`: a site's report (seconds, samples, joules, bytes) feeds the cost
+  model, and a compressed update is decoded before FedAvg averages it; an empty result (a site
+  that failed) is left out of the average, never mixed into it;
+- `update_model`: the new global model is evaluated on the held-out set, the round is printed
+  and recorded in `<output_dir>/federated.json`.
+The initial global model is the project's own initialisation (`seed`), made on the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+from nvflare.apis.fl_constant import FLMetaKey
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.workflows.fedavg import FedAvg
+
+from nvfp4_jax.federated import budget as budget_lib
+from nvfp4_jax.federated import contract as contract_lib
+
+META_KEY = "nvfp4_jax"
+
+
+def _site_name(result: FLModel) -> str:
+    meta = result.meta or {}
+    return str(meta.get("client_name") or meta.get(FLMetaKey.CLIENT_NAME, "?"))
+
+
+class BudgetedFedAvg(FedAvg):
+    def __init__(
+        self,
+        *,
+        run_config: dict,
+        site_names: list,
+        num_rounds: int = 2,
+        budget_policy: dict | None = None,
+        update_contract: dict | None = None,
+        output_dir: str = "",
+        min_responses: int = 0,
+        round_timeout: int = 0,
+        eval_batches: int = 2,
+        enable_tensor_disk_offload: bool = False,
+    ):
+        super().__init__(num_clients=len(site_names), num_rounds=num_rounds, persistor_id="",
+                         enable_tensor_disk_offload=enable_tensor_disk_offload)
+        self.run_config = run_config
+        self.site_names = list(site_names)
+        self.budget_policy = dict(budget_policy or {})
+        self.update_contract = dict(update_contract or {})
+        self.output_dir = output_dir
+        self.min_responses = min_responses
+        self.round_timeout = round_timeout
+        self.eval_batches = eval_batches
+        self._policy = budget_lib.BudgetPolicy(**self.budget_policy)
+        self._contract = contract_lib.UpdateContract(**self.update_contract)
+        self._costs = {s: budget_lib.SiteCost() for s in self.site_names}
+        self._budgets: list[int] | None = None
+        self._reports: dict[str, dict] = {}
+        self._history: list[dict] = []
+        self._evaluator = None
+        self._round_start = 0.0
+
+    # --- the global model ---------------------------------------------------------------
+
+    def _eval(self):
+        if self._evaluator is None:
+            from nvfp4_jax.config import make_config
+            from nvfp4_jax.federated.site import Evaluator
+
+            self._evaluator = Evaluator(make_config(self.run_config), num_batches=self.eval_batches)
+        return self._evaluator
+
+    def load_model(self) -> FLModel:
+        params = self._eval().initial_params()
+        loss = self._eval().loss(params)
+        self._emit({"round": 0, "validation_loss": loss, "budgets": None})
+        return FLModel(params=params, params_type=ParamsType.FULL)
+
+    def save_model(self, model: FLModel) -> None:
+        if not self.output_dir:
+            return
+        path = os.path.join(self.output_dir, "global_model.npz")
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, **{k: np.asarray(v) for k, v in model.params.items()})
+        os.replace(tmp, path)  # a crash mid-save leaves the previous round's model intact
+
+    # --- one round ------------------------------------------------------------------------
+
+    def send_model(self, task_name="train", data: FLModel = None, targets=None, min_responses=None,
+                   timeout=0, callback=None):
+        round_index = len(self._history) - 1  # 0-based: the history starts with the initial model
+        costs = [self._costs[s] for s in self.site_names]
+        self._budgets = budget_lib.allocate(self._policy, costs, self._budgets, round_index)
+        data.meta = dict(data.meta or {})
+        data.meta[META_KEY] = {
+            "config": self.run_config,
+            "contract": self.update_contract,
+            "budgets": budget_lib.by_site(self.site_names, self._budgets),
+            "round": round_index + 1,
+        }
+        self._reports = {}
+        self._round_start = time.perf_counter()
+        return super().send_model(
+            task_name=task_name, data=data, targets=targets,
+            min_responses=self.min_responses or None, timeout=self.round_timeout, callback=callback)
+
+    def _aggregate_one_result(self, result: FLModel) -> bool:
+        site = _site_name(result)
+        meta = result.meta or {}
+        report = meta.get(META_KEY)
+        if not result.params or not isinstance(report, dict):
+            self._reports[site] = {"failed": True, **({"error": report["error"]} if isinstance(report, dict)
+                                                      and "error" in report else {})}
+            self.warning(f"site {site} returned no update this round; it is left out of the average")
+            return False
+        if self._contract.compression != "none":
+            result.params = contract_lib.decode(result.params, self._contract.compression, report["shapes"])
+        self._reports[site] = {k: report.get(k) for k in
+                               ("samples", "steps", "seconds", "joules", "payload_bytes", "train_loss")}
+        if site in self._costs:
+            self._costs[site] = budget_lib.smooth(self._costs[site], float(report["seconds"]),
+                                                  int(report["samples"]), report.get("joules"),
+                                                  self._policy.ema)
+        return super()._aggregate_one_result(result)
+
+    def update_model(self, model, aggr_result):
+        model = super().update_model(model, aggr_result)
+        for site in self.site_names:  # no result by the time the round closed (min_responses / timeout)
+            self._reports.setdefault(site, {"failed": True})
+        seconds = [r["seconds"] for r in self._reports.values() if not r.get("failed")]
+        makespan = max(seconds) if seconds else 0.0
+        record = {
+            "round": len(self._history),
+            "validation_loss": self._eval().loss(model.params),
+            "budgets": budget_lib.by_site(self.site_names, self._budgets or []),
+            "sites": self._reports,
+            "makespan_s": makespan,
+            "idle_s": {s: makespan - r["seconds"] for s, r in self._reports.items() if not r.get("failed")},
+            "compute_cv": (statistics.pstdev(seconds) / statistics.mean(seconds)
+                           if len(seconds) > 1 and statistics.mean(seconds) > 0 else 0.0),
+            "bytes_sent": sum(int(r.get("payload_bytes") or 0) for r in self._reports.values()),
+            "wall_s": time.perf_counter() - self._round_start,
+        }
+        self._emit(record)
+        return model
+
+    def _emit(self, record: dict) -> None:
+        self._history.append(record)
+        line = f"round {record['round']}/{self.num_rounds}: global validation loss {record['validation_loss']:.4f}"
+        if record.get("budgets"):
+            line += " | samples " + " ".join(f"{s}={b}" for s, b in record["budgets"].items())
+            line += f" | makespan {record['makespan_s']:.2f} s | sent {record['bytes_sent'] / 1e6:.3f} MB"
+            failed = [s for s, r in record["sites"].items() if r.get("failed")]
+            if failed:
+                line += f" | no update from {', '.join(failed)}"
+        print(f"[federated] {line}", flush=True)
+        if self.output_dir:
+            os.makedirs(self.output_dir, exist_ok=True)
+            path = os.path.join(self.output_dir, "federated.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({"policy": dataclasses.asdict(self._policy), "contract": self.update_contract,
+                           "rounds": self._history}, f, indent=1, default=float)
+            os.replace(path + ".tmp", path)
