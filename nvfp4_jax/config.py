@@ -171,26 +171,6 @@ class Config:
     mesh: MeshConfig = MeshConfig()
 
 
-# Keys a resumed run may change: they steer logging, checkpointing, profiling, where the run
-# lives and how it is laid out on devices, not what it computes (the global batch is checked
-# separately). `steps` stretches the learning-rate schedule from the resume on. Any other key
-# that differs from the checkpoint's stops the resume (see `resume_differences`).
-RESUME_MUTABLE_KEYS = (
-    "steps", "log_period", "eval_interval", "eval_steps", "checkpoint_period",
-    "max_checkpoints_to_keep", "checkpoint_fallback", "profiler",
-    "profile_start_step", "profile_steps", "quantization_end_step", "run_name",
-    "base_output_directory", "per_device_batch_size", "ici_data_parallelism",
-    "ici_fsdp_parallelism", "dcn_data_parallelism", "coordinator_address", "num_processes",
-    "process_id",
-    # Memory/recompute trade-offs with the same state tree (remat is bitwise-neutral; loss tiling
-    # changes only the order of the loss's sums).
-    "remat_policy", "num_vocab_tiling",
-    # Another backend runs the same numerics where the state trees agree (checked on resume).
-    "quantization_backend",
-    # Which forward pass evaluates: never what trains.
-    "eval_quantization",
-)
-
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 # Flat key -> section name.
 KEY_SECTIONS = {
@@ -299,6 +279,27 @@ def parse_overrides(args: Sequence[str]) -> dict[str, str]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML lets a repeated key overwrite the first silently; a config must say each key once."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key == "<<" or not isinstance(key, (str, int, float, bool)):
+                continue  # merge keys and odd keys: PyYAML's own rules and errors apply
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise _DuplicateKey(f"the key {key!r} appears twice (lines {first_line[key]} and {line}); "
+                                    "give each key once")
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise ConfigError(f"Config file {path!r} does not exist.")
@@ -306,7 +307,9 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"Config file {path!r} is a directory; give a .yml file.")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as exc:
+        raise ConfigError(f"Config file {path!r}: {exc}.") from None
     except OSError as exc:
         raise ConfigError(f"Config file {path!r} cannot be read: {exc.strerror}.") from None
     except UnicodeDecodeError:
@@ -363,6 +366,9 @@ def load_config(argv: Sequence[str] = ()) -> Config:
     return make_config(*config_layers(argv))
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}.")
@@ -389,6 +395,10 @@ def validate(cfg: Config) -> None:
             value = getattr(section, field.name)
             if isinstance(value, float):
                 _check(math.isfinite(value), field.name, value, "must be a finite number")
+            elif isinstance(value, int) and not isinstance(value, bool):
+                _check(abs(value) <= INT32_MAX, field.name, value,
+                       f"must lie within +-{INT32_MAX} (the step counter, the schedules and the "
+                       "data positions are int32 on the device)")
     for key in ("vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
                 "head_dim", "base_mlp_dim", "base_num_decoder_layers", "max_target_length"):
         _check(getattr(m, key) > 0, key, getattr(m, key), "must be a positive integer")
@@ -486,15 +496,3 @@ def from_dict(data: Mapping[str, Mapping[str, Any]]) -> Config:
     """Inverse of `to_dict` (reads a saved config.json)."""
     flat = {f"{section}.{k}": v for section, keys in data.items() for k, v in keys.items()}
     return make_config(flat)
-
-
-def resume_differences(saved: Mapping[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint's value, new value) for each key outside RESUME_MUTABLE_KEYS that differs
-    between a checkpoint's stored config (the `to_dict` form) and `cfg`. A key present on only
-    one side (a config from another version) counts as different."""
-    absent = "(not recorded)"
-    old = {k: v for section in saved.values() if isinstance(section, Mapping) for k, v in section.items()}
-    new = {k: v for section in to_dict(cfg).values() for k, v in section.items()}
-    keys = list(new) + [k for k in old if k not in new]
-    return [(k, old.get(k, absent), new.get(k, absent)) for k in keys
-            if k not in RESUME_MUTABLE_KEYS and old.get(k, absent) != new.get(k, absent)]

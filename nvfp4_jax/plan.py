@@ -227,6 +227,19 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     ])
 
 
+def check_numeric_options(args: argparse.Namespace) -> None:
+    """ConfigError naming the first numeric command-line option that is given but is not a
+    positive, finite number (a device count of 0 divides by zero, a negative one plans negative
+    memory, `inf` memory fits anything, `nan` compares false). Every option of `main` that takes
+    a number goes through here, so a new one is checked by being declared."""
+    for name, value in vars(args).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r} is not allowed: must be a positive, "
+                              "finite number.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nvfp4_jax.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--num-devices", type=int, default=None,
@@ -238,16 +251,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="also project the step time per recipe on this GPU (docs/backends.md)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_numeric_options(args)
         cfg = load_config(rest)
         num_devices = args.num_devices
         if num_devices is None:
             axes = (cfg.mesh.dcn_data_parallelism, cfg.mesh.ici_data_parallelism, cfg.mesh.ici_fsdp_parallelism)
             # With a -1 axis, plan as a run would: for the devices this machine has.
             num_devices = jax.device_count() if -1 in axes else math.prod(axes)
-        memory = args.device_memory_gib * GIB if args.device_memory_gib else local_device_memory()
+        memory = args.device_memory_gib * GIB if args.device_memory_gib is not None else local_device_memory()
         plan = make_plan(cfg, num_devices, memory)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(format_plan(cfg, plan))
     if args.project:

@@ -7,6 +7,7 @@ import pytest
 
 from nvfp4_jax import config as config_lib
 from nvfp4_jax.config import ConfigError, load_config
+from nvfp4_jax.train import resume
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,23 +117,23 @@ def test_block_sizes_match_the_recipes():
 
 
 def test_resume_mutable_keys_are_real_keys():
-    assert set(config_lib.RESUME_MUTABLE_KEYS) <= set(config_lib.KEY_SECTIONS)
+    assert set(resume.RESUME_MUTABLE_KEYS) <= set(config_lib.KEY_SECTIONS)
     # What a run computes may never change under a resume.
     for key in ("quantization", "learning_rate", "seed", "base_emb_dim", "dataset_type", "adam_eps"):
-        assert key not in config_lib.RESUME_MUTABLE_KEYS
+        assert key not in resume.RESUME_MUTABLE_KEYS
 
 
 def test_resume_differences_lists_exactly_the_immutable_changes():
     old = load_config(["quantization=te_nvfp4", "steps=10", "seed=1"])
     new = load_config(["quantization=bf16", "steps=20", "seed=2", "log_period=3", "learning_rate=1e-3"])
-    diffs = config_lib.resume_differences(config_lib.to_dict(old), new)
+    diffs = resume.config_differences(config_lib.to_dict(old), new)
     assert diffs == [("quantization", "te_nvfp4", "bf16"), ("learning_rate", 3e-3, 1e-3), ("seed", 1, 2)]
-    assert config_lib.resume_differences(config_lib.to_dict(old), old) == []
+    assert resume.config_differences(config_lib.to_dict(old), old) == []
     # A key one side does not know (another version's config) is a difference, not a guess.
     saved = config_lib.to_dict(old)
     del saved["model"]["bf16_last_layers"]
     saved["model"]["retired_key"] = 1
-    assert config_lib.resume_differences(saved, old) == [
+    assert resume.config_differences(saved, old) == [
         ("bf16_last_layers", "(not recorded)", 0), ("retired_key", 1, "(not recorded)")]
 
 
@@ -154,3 +155,33 @@ def test_every_quantization_flag_is_a_known_recipe():
 
     for flag in config_lib.QUANTIZATION_FLAGS:
         get_recipe(flag)  # raises on an unknown flag
+
+
+def test_a_repeated_yaml_key_is_refused_with_both_lines(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("steps: 5\nmodel_name: tiny\nsteps: 7\n")
+    with pytest.raises(ConfigError, match=r"the key 'steps' appears twice \(lines 1 and 3\)"):
+        load_config([str(path)])
+    path.write_text("steps: 5\nmodel_name: tiny\n")  # the same file without the repeat loads
+    assert load_config([str(path)]).train.steps == 5
+
+
+@pytest.mark.parametrize("key", ["steps", "checkpoint_period", "eval_interval", "quantization_end_step", "seed"])
+def test_integer_keys_are_bounded_to_int32(key):
+    with pytest.raises(ConfigError, match=rf"{key}=100000000000 is not allowed: must lie within \+-2147483647"):
+        load_config([f"{key}=100000000000"])
+    assert getattr(load_config([f"{key}=2147483647"]).train, key) == 2**31 - 1  # the largest that fits
+
+
+def test_the_cli_refuses_a_too_large_steps_before_creating_anything(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "nvfp4_jax.train", "steps=100000000000", f"base_output_directory={tmp_path}/out"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: steps=100000000000 is not allowed: must lie within +-2147483647 (the step counter, the "
+        "schedules and the data positions are int32 on the device)."]
+    assert not os.path.exists(tmp_path / "out")

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from nvfp4_jax.data import DataError
     from nvfp4_jax.lab.runs import LabError, StudyStopped
-    from nvfp4_jax.train.run_lock import RunLockedError
+    from nvfp4_jax.train.run_dir import RunLockedError
 
     try:
         if args.check and args.analyze:

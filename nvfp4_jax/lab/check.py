@@ -59,7 +59,7 @@ def config_check(results: dict, record: dict) -> tuple[Any, list[str]]:
     wanted = arm_config(config_layers(study["base_args"]), parse_arm(spec), record["seed"],
                         saved["train"]["base_output_directory"])
     recorded = from_dict(saved)
-    return recorded, runs.config_differences(to_dict(recorded), wanted)
+    return recorded, runs.config_changes(to_dict(recorded), wanted)
 
 
 def check(path: str, *, which: str | None = None, devices=None, log: Callable[[str], None] = print) -> bool:

@@ -7,21 +7,18 @@ only read back; one with the same config and no summary was interrupted and is r
 resumes it from its latest checkpoint. A directory holding a different config is an error: the
 lab never trains over someone else's run.
 
-Reading is tolerant: unknown keys and records are ignored, a line cut short by a kill is skipped,
-and a step logged twice (a resumed run repeats the steps after its last checkpoint) keeps its
-last record.
+Runs are read through `nvfp4_jax.train.run_dir` (a last metrics line cut short by a kill is
+skipped there); unknown keys and records are ignored, and a step logged twice (a resumed run
+repeats the steps after its last checkpoint) keeps its last record.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
-from nvfp4_jax.config import Config, ConfigError, from_dict, to_dict
-
-# Where a run is, not what it is: ignored when comparing configs (the folder may move).
-LOCATION_KEYS = (("train", "run_name"), ("train", "base_output_directory"))
+from nvfp4_jax.config import KEY_SECTIONS, Config, ConfigError, from_dict, to_dict
+from nvfp4_jax.train import run_dir as run_dir_lib
+from nvfp4_jax.train.resume import LOCATION_KEYS, config_differences
 
 
 class LabError(RuntimeError):
@@ -37,77 +34,41 @@ class StudyStopped(Exception):
         self.signal_name, self.results = signal_name, results
 
 
-def _read_json(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError:
-        return None  # written half-way when the run was killed
-
-
-def _comparable(cfg_dict: dict) -> dict:
-    out = {section: dict(keys) for section, keys in cfg_dict.items()}
-    for section, key in LOCATION_KEYS:
-        out.get(section, {}).pop(key, None)
-    return out
-
-
-def config_differences(saved: dict, cfg: Config) -> list[str]:
+def config_changes(saved: dict, cfg: Config) -> list[str]:
     """`section.key: saved -> wanted` for every key (location aside) where `saved` differs from
-    `cfg`; a saved config the current code cannot read is one difference."""
+    `cfg`; a saved config the current code cannot read is one difference. The saved config is
+    read through the current defaults first, so a key added since compares as its default."""
     try:
-        old = _comparable(to_dict(from_dict(saved)))
+        saved = to_dict(from_dict(saved))
     except ConfigError as exc:
         return [f"the saved config cannot be read ({exc})"]
-    new = _comparable(to_dict(cfg))
-    return [
-        f"{section}.{key}: {old[section].get(key)!r} -> {value!r}"
-        for section in new
-        for key, value in new[section].items()
-        if old.get(section, {}).get(key) != value
-    ]
+    return [f"{KEY_SECTIONS.get(key, '?')}.{key}: {old!r} -> {new!r}"
+            for key, old, new in config_differences(saved, cfg, ignore=LOCATION_KEYS)]
 
 
-def read_metrics(path: str) -> dict[str, dict[int, Any]]:
-    """metrics.jsonl -> {"loss": {step: train loss}, "eval_loss": {step: loss},
-    "eval_loss_bf16": {step: loss}, "quant_stats": {step: stats}}."""
-    out: dict[str, dict[int, Any]] = {"loss": {}, "eval_loss": {}, "eval_loss_bf16": {}, "quant_stats": {}}
-    if not os.path.exists(path):
-        return out
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                continue
-            for key, series in out.items():
-                if key in record:
-                    series[record["step"]] = record[key]
-    return out
+def metric_series(run_dir: str) -> dict[str, dict[int, Any]]:
+    """{"loss": {step: train loss}, "eval_loss": {step: loss}, "eval_loss_bf16": {step: loss},
+    "quant_stats": {step: stats}} of a run directory; a step logged twice keeps its last record."""
+    records = run_dir_lib.read_metrics(run_dir)
+    return {key: dict(run_dir_lib.iter_steps(records, key))
+            for key in ("loss", "eval_loss", "eval_loss_bf16", "quant_stats")}
 
 
 def is_finished(run_dir: str, cfg: Config) -> bool:
-    summary = _read_json(os.path.join(run_dir, "summary.json"))
-    return (
-        isinstance(summary, dict)
-        and summary.get("steps") == cfg.train.steps
-        and summary.get("final_eval_loss") is not None
-        and not summary.get("stopped_by")
-        # Evaluated the way this config asks (a run from before eval modes has no BF16 eval).
-        and (cfg.train.eval_quantization == "train" or summary.get("final_eval_loss_bf16") is not None)
-    )
+    """Finished (run_dir.is_finished) and evaluated the way this config asks: a run from before
+    the evaluation modes has no BF16 evaluation, so a lab asking for one completes it."""
+    if not run_dir_lib.is_finished(run_dir, cfg.train.steps):
+        return False
+    return cfg.train.eval_quantization == "train" or (run_dir_lib.read_summary(run_dir) or {}).get(
+        "final_eval_loss_bf16") is not None
 
 
 def check_reusable(run_dir: str, cfg: Config) -> None:
     """Raises LabError when `run_dir` holds a run of a config other than `cfg`."""
-    saved = _read_json(os.path.join(run_dir, "config.json"))
+    saved = run_dir_lib.read_config(run_dir)
     if saved is None:
         return
-    diffs = config_differences(saved, cfg)
+    diffs = config_changes(saved, cfg)
     if diffs:
         raise LabError(
             f"{run_dir} holds a run of another config ({'; '.join(diffs)}): remove that directory "
@@ -123,7 +84,7 @@ def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:
     check_reusable(run_dir, cfg)
     if is_finished(run_dir, cfg):
         return "reused"
-    started = os.path.exists(os.path.join(run_dir, "config.json"))
+    started = run_dir_lib.read_config(run_dir) is not None
     from nvfp4_jax.train.loop import run  # jax is imported only when something trains
 
     summary = run(cfg, progress=False, devices=devices)
@@ -147,8 +108,8 @@ def read_run(run_dir: str, *, curve_window: int = 10) -> dict[str, Any]:
     `curve_window` steps), the eval losses (recipe and BF16 forward), the final validation
     losses, tokens/s, and the
     quantization statistics of the last evaluation that measured them."""
-    summary = _read_json(os.path.join(run_dir, "summary.json")) or {}
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    summary = run_dir_lib.read_summary(run_dir) or {}
+    metrics = metric_series(run_dir)
     stats = metrics["quant_stats"]
     last = max(stats) if stats else None
     return {

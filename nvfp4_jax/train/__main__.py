@@ -1,7 +1,7 @@
 """`python -m nvfp4_jax.train [--debug] [config.yml] [key=value ...]`: the training entry point.
 
 Exit codes:
-  0   the run finished (or was already finished)
+  0   the run finished: its final evaluation is recorded (a rerun at the last step only evaluates)
   1   an internal error: a bug, reported with its traceback
   2   something the user can fix, reported as one `error: ...` line before anything compiles:
       config, YAML, data, shapes, output paths, a resume whose config differs from the
@@ -9,7 +9,8 @@ Exit codes:
   3   a step went non-finite (loss, gradient norm or state); nothing after the last good
       checkpoint was saved
   4   a checkpoint problem: no intact checkpoint to resume from (all damaged, or the newest
-      damaged and checkpoint_fallback=false), or a save that failed
+      damaged and checkpoint_fallback=false), or a save that failed (disk full, permission;
+      the message names the previous checkpoint, which is intact)
   75  stopped by SIGTERM or SIGINT after saving a checkpoint; rerun the same command to resume
       (EX_TEMPFAIL: "try again later"). A second signal ends the process at once, by the signal.
 
@@ -53,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported only now, so that config errors come back before jax loads.
     from nvfp4_jax.data import DataError
-    from nvfp4_jax.train.checkpoint import CheckpointError
+    from nvfp4_jax.train.checkpoint import CheckpointError, silence_abandoned_reads
     from nvfp4_jax.train.loop import NonFiniteError, format_summary, run
-    from nvfp4_jax.train.run_lock import RunLockedError
+    from nvfp4_jax.train.run_dir import RunLockedError
 
+    silence_abandoned_reads()  # a damaged checkpoint's error stays the last line
     try:
         summary = run(cfg)
     except (ConfigError, DataError, RunLockedError) as exc:  # mesh errors need the devices first

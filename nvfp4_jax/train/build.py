@@ -38,14 +38,6 @@ def quantization_backend(model_cfg: ModelConfig) -> quant.BackendChoice:
         raise ConfigError(str(err)) from err
 
 
-def check_backend_resume(record: dict, backend: quant.BackendChoice, model_cfg: ModelConfig) -> None:
-    """ConfigError when a checkpoint `record` was written by a backend whose state tree differs."""
-    try:
-        quant.check_backend_resume(record.get("quantization_backend"), backend.name, model_cfg.quantization)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
 def _uses_nvfp4(model_cfg: ModelConfig) -> bool:
     return quant.get_recipe(model_cfg.quantization).format == "nvfp4"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -45,11 +46,13 @@ def make_manager(directory: str, *, max_to_keep: int, save_interval_steps: int =
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 
-def save(manager: ocp.CheckpointManager, state, record: dict[str, Any]) -> None:
-    """Saves `state` at its step with `record` plus the state's per-leaf checksums.
+def save(manager: ocp.CheckpointManager, state, record: dict[str, Any], *, max_to_keep: int | None = None) -> None:
+    """Saves `state` at its step with `record` plus the state's per-leaf checksums, then keeps
+    the newest `max_to_keep` checkpoints (`prune`).
 
-    Raises CheckpointError, saving nothing, when a leaf is not finite or when orbax declines the
-    step (a checkpoint of this or a later step already exists).
+    Raises CheckpointError, saving nothing, when a leaf is not finite, when orbax declines the
+    step (a checkpoint of this or a later step already exists), or when the write fails (a full
+    disk, a permission): the checkpoints saved before stay as they were.
     """
     step = int(jax.device_get(state.step))
     sums, finite = integrity.inspect(state)
@@ -58,15 +61,42 @@ def save(manager: ocp.CheckpointManager, state, record: dict[str, Any]) -> None:
     if bad is not None:
         raise CheckpointError(f"Refusing to save step {step}: {bad} is not finite.")
     record = {**record, "checksums": {p: [int(a), int(b)] for p, (a, b) in zip(paths, sums.tolist())}}
-    saved = manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
-    )
-    manager.wait_until_finished()
+    try:
+        saved = manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
+        )
+        manager.wait_until_finished()
+    except Exception as exc:  # a full disk or a permission surfaces as OSError, or wrapped by tensorstore
+        raise CheckpointError(f"Saving checkpoint step {step} in {manager.directory} failed ({_one_line(exc)})") from exc
+    prune(manager, max_to_keep)
     if not saved:
         raise CheckpointError(
             f"Orbax did not save step {step} in {manager.directory}: it already holds step "
             f"{manager.latest_step()}."
         )
+
+
+def prune(manager: ocp.CheckpointManager, max_to_keep: int | None) -> None:
+    """Deletes the oldest checkpoints beyond `max_to_keep`, never the newest. Orbax rotates only
+    after a save has committed, so a kill between its commit and its deletion, or a resume that
+    only evaluates, would otherwise leave one checkpoint too many."""
+    if not max_to_keep:
+        return
+    for step in sorted(manager.all_steps())[:-max_to_keep]:
+        manager.delete(step)
+
+
+def step_folder_problem(directory: str) -> str | None:
+    """Why `directory` (a run's checkpoints/) cannot hold checkpoints, or None: it is not a
+    folder, or a step's entry in it is not a folder (orbax would skip it without a word)."""
+    if not os.path.lexists(directory):
+        return None
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory"
+    for name in sorted(os.listdir(directory)):
+        if name.isdigit() and not os.path.isdir(os.path.join(directory, name)):
+            return f"{os.path.join(directory, name)} is not a directory (checkpoint step {name} should be)"
+    return None
 
 
 def read_record(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -193,6 +223,24 @@ def set_aside(manager: ocp.CheckpointManager, step: int, destination: str) -> st
     target = os.path.join(destination, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(os.path.join(manager.directory, str(step)), target)
     return target
+
+
+def silence_abandoned_reads() -> None:
+    """Keeps the reads a failed restore abandons from printing tracebacks after the error line.
+
+    When one array of a damaged checkpoint fails to read, orbax's restore returns at once and
+    closes its event loop while tensorstore still reads the other arrays; each of those then
+    reports `RuntimeError: Event loop is closed` as an unraisable exception (harmless: the
+    restore has already failed). Only that exception is dropped; any other still prints."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _one_line(exc: BaseException) -> str:

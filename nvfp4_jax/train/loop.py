@@ -7,10 +7,10 @@ non-finite state is never saved) and at the end.
 Each start of a run is a *segment*:
 1. Everything a user can get wrong is checked before the disk is touched: the config (already
    valid), the mesh, the data.
-2. The run directory is created and locked (`run_lock`): one process per run.
+2. The run directory is created and locked (`run_dir`): one process per run.
 3. The newest intact checkpoint is restored onto the abstract sharded state (no fresh state is
-   built first), after its stored config has been compared with this one: only
-   `config.RESUME_MUTABLE_KEYS` may differ. A damaged checkpoint is set aside and the next newest
+   built first), after its stored config has been compared with this one (`resume`): only
+   `resume.RESUME_MUTABLE_KEYS` may differ. A damaged checkpoint is set aside and the next newest
    one tried (`checkpoint_fallback`). A fresh state is initialised only when there is nothing to
    restore.
 4. `config.json` is written, `metrics.jsonl` opened for this segment, and training runs.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -35,12 +34,13 @@ import numpy as np
 
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
-from nvfp4_jax.config import RESUME_MUTABLE_KEYS, Config, ConfigError, resume_differences, save_json, to_dict
+from nvfp4_jax.config import Config, ConfigError, to_dict
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.quant import health
-from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, run_lock, shutdown
+from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, resume, run_dir as run_dir_lib
+from nvfp4_jax.train import shutdown
 from nvfp4_jax.train.build import (
-    build_model, check_backend_resume, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
+    build_model, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
     jit_train_step, quant_kernels_line, quantization_backend, state_shardings,
 )
 from nvfp4_jax.train.optimizer import make_optimizer
@@ -50,31 +50,8 @@ class NonFiniteError(RuntimeError):
     """A step's loss, gradient norm or new state was not finite; that state was not saved."""
 
 
-class ResumeError(ConfigError):
-    """The run directory holds checkpoints that this config may not continue."""
-
-
-def run_directory(cfg: Config) -> str:
-    name = cfg.train.run_name or f"{cfg.model.model_name}-{cfg.model.quantization or 'bf16'}"
-    return os.path.join(cfg.train.base_output_directory, name)
-
-
-def _has_checkpoints(directory: str) -> bool:
-    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
-
-
-def _make_run_directory(cfg: Config) -> str:
-    run_dir = run_directory(cfg)
-    base = cfg.train.base_output_directory
-    if os.path.exists(base) and not os.path.isdir(base):
-        raise ConfigError(f"base_output_directory={base!r} is a file, not a directory.")
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"Cannot create the run directory {run_dir!r}: {exc.strerror}.") from None
-    if not os.access(run_dir, os.W_OK):
-        raise ConfigError(f"The run directory {run_dir!r} is not writable.")
-    return run_dir
+ResumeError = resume.ResumeError
+run_directory = run_dir_lib.path
 
 
 class _Console:
@@ -104,7 +81,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     """Trains according to `cfg`; returns (and writes) the run summary.
 
     `devices` restricts the mesh to a subset of `jax.devices()` (tests compare 1- and 8-way runs).
-    Raises ConfigError, data_lib.DataError and run_lock.RunLockedError for what a user can fix
+    Raises ConfigError, data_lib.DataError and run_dir.RunLockedError for what a user can fix
     (before anything compiles), NonFiniteError, and checkpoint.CheckpointError when no intact
     checkpoint can be restored.
     """
@@ -124,8 +101,13 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     console.info(describe_attention(cfg.model))
     for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
         console.warn(f"warning: {warning}")
-    run_dir = _make_run_directory(cfg)
-    lock = run_lock.hold(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
+    run_dir = run_dir_lib.create(cfg)
+    if cfg.train.enable_checkpointing:  # before the lock, the restore and metrics.jsonl: nothing is touched
+        problem = checkpoint.step_folder_problem(run_dir_lib.checkpoints(run_dir))
+        if problem:
+            raise ConfigError(f"{problem}: checkpoints cannot be kept there, and the run would start over. "
+                              "Move it away (or start a new run: run_name=<a new name>).")
+    lock = run_dir_lib.lock(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
     with lock, shutdown.StopRequest(announce=console.warn) as stop:
         return _Segment(cfg, mesh, run_dir, datasets, console, stop, progress).run()
 
@@ -145,42 +127,18 @@ class _Segment:
         self.eval_batches: list = []  # the same held-out batches every time: loaded once
         self.writer = None
         self.last_eval: dict[str, Any] = {}
-        self.evaluated_at_start = True  # from metrics.jsonl (the lead's), see run()
 
     # --- resume ---------------------------------------------------------------------------
 
     def _check_resume(self, step: int, record: dict[str, Any]) -> None:
-        saved = record.get("config")
-        if not isinstance(saved, dict):
-            raise ResumeError(f"Checkpoint step {step} in {self.run_dir} records no config; it was not "
-                              "written by nvfp4_jax.train. Start a new run: run_name=<a new name>.")
-        check_backend_resume(record, self.backend, self.cfg.model)  # a state tree it cannot read
-        diffs = resume_differences(saved, self.cfg)
-        saved_batch = record.get("global_batch_size")
-        if saved_batch is None:  # an older checkpoint: the per-device batch must stay as it was
-            old = saved.get("train", {}).get("per_device_batch_size")
-            if old != self.cfg.train.per_device_batch_size:
-                diffs.append(("per_device_batch_size", old, self.cfg.train.per_device_batch_size))
-        elif saved_batch != self.global_batch:
-            diffs.append(("global batch (per_device_batch_size x devices)", saved_batch, self.global_batch))
-        if diffs:
-            listing = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diffs)
-            raise ResumeError(
-                f"{self.run_dir} holds checkpoint step {step} of a run with a different config, and "
-                f"resuming would silently change it: {listing}. Only {', '.join(RESUME_MUTABLE_KEYS)} "
-                "may change on resume. To train with these settings, start a new run: "
-                "run_name=<a new name>."
-            )
+        resume.check_record(step, record, cfg=self.cfg, run_dir=self.run_dir, backend=self.backend,
+                            global_batch=self.global_batch)
 
     def _restore_or_init(self, model, optimizer):
         t, m = self.cfg.train, self.cfg.model
-        ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        ckpt_dir = run_dir_lib.checkpoints(self.run_dir)
         if not t.enable_checkpointing:
-            if _has_checkpoints(ckpt_dir):
-                raise ResumeError(
-                    f"{ckpt_dir} holds checkpoints, but enable_checkpointing=false would start the run "
-                    "over beside them. Resume with enable_checkpointing=true, or start a new run: "
-                    "run_name=<a new name>.")
+            resume.check_checkpointing_off(ckpt_dir)
             state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
             return state, state_sh
         self.manager = checkpoint.make_manager(ckpt_dir, max_to_keep=t.max_checkpoints_to_keep)
@@ -199,6 +157,7 @@ class _Segment:
             return state, state_sh
         if restored.rejected:
             self._set_aside([step for step, _ in restored.rejected])
+        checkpoint.prune(self.manager, t.max_checkpoints_to_keep)  # a segment killed before its rotation
         self.last_good = (restored.step, restored.verified)
         how = "verified" if restored.verified else "UNVERIFIED: saved without checksums by an older version"
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
@@ -206,7 +165,7 @@ class _Segment:
         return restored.state, state_sh
 
     def _set_aside(self, steps: list[int]) -> None:
-        destination = os.path.join(self.run_dir, "rejected_checkpoints")
+        destination = run_dir_lib.rejected(self.run_dir)
         if self.console.is_lead:
             for step in steps:
                 where = checkpoint.set_aside(self.manager, step, destination)
@@ -260,10 +219,11 @@ class _Segment:
         if p.step % t.log_period == 0 or p.step == t.steps or p.step == self.start + 1:
             self.console.info(metrics_lib.maxtext_line(record))
 
-    def _evaluate(self, step: int) -> float:
+    def _evaluate(self, step: int, *, log: bool = True) -> float:
         """The validation loss of the state after `step`, through the forward pass the run trains
         with at this point (`eval_loss`; BF16 once the tail has begun) and/or through BF16 with
-        the same weights (`eval_loss_bf16`), as `eval_quantization` asks. Returns the first."""
+        the same weights (`eval_loss_bf16`), as `eval_quantization` asks. Returns the first.
+        `log=False`: the file already holds this evaluation."""
         if not self.eval_batches:
             self.eval_batches.extend(self._put(self.eval_data, i) for i in range(self.cfg.train.eval_steps))
 
@@ -282,7 +242,7 @@ class _Segment:
         value = record.get("eval_loss", record.get("eval_loss_bf16"))
         perplexity = math.exp(min(value, 700))
         record["eval_perplexity"] = perplexity
-        if self.writer:
+        if self.writer and log:
             self.writer.write(record)
         extra = f", bf16 forward: {record['eval_loss_bf16']:.3f}" if mode == "both" else ""
         self.console.info(f"eval at step {step}{' (bf16 forward)' if mode == 'bf16' else ''}: "
@@ -290,7 +250,7 @@ class _Segment:
         # Measured while the run still quantizes (the BF16 tail has nothing to measure).
         if self.stats_step is not None and self._quantizes(step):
             stats = health.flatten(jax.device_get(self.stats_step(self.state, self.eval_batches[0])))
-            if self.writer:
+            if self.writer and log:
                 self.writer.write({"step": step, "quant_stats": stats})
         self.last_eval = record
         return value
@@ -313,7 +273,11 @@ class _Segment:
     def _save(self, step: int) -> None:
         record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
                   "global_batch_size": self.global_batch, "quantization_backend": self.backend.name}
-        checkpoint.save(self.manager, self.state, record)
+        try:
+            checkpoint.save(self.manager, self.state, record, max_to_keep=self.cfg.train.max_checkpoints_to_keep)
+        except checkpoint.CheckpointError as exc:
+            intact = self._last_good_text().replace("The last good", "The last good (and intact)")
+            raise checkpoint.CheckpointError(f"{exc}. {intact}") from exc
         self.last_good = (step, True)
 
     def _stop_agreed(self, step: int) -> bool:
@@ -330,6 +294,20 @@ class _Segment:
     # --- the segment ------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        try:
+            summary = self._run()
+        except BaseException:
+            # The error is what the user must see: a manager that fails to close after a failed
+            # save or restore must not add its own traceback (orbax's event loop) after it.
+            if self.manager is not None:
+                with contextlib.suppress(Exception):
+                    self.manager.close()
+            raise
+        if self.manager is not None:
+            self.manager.close()
+        return summary
+
+    def _run(self) -> dict[str, Any]:
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
         optimizer = make_optimizer(t)
         self.backend = quantization_backend(m)  # chosen once, before anything is traced
@@ -338,10 +316,10 @@ class _Segment:
             self.console.info(quant_kernels_line(m, self.backend))
         model = build_model(m, quantized=True, backend=self.backend)
         self.state, state_sh = self._restore_or_init(model, optimizer)
-        self.start = int(jax.device_get(self.state.step))
+        self.start = resume.start_step(self.state)
         self.leaf_paths = integrity.leaf_paths(self.state)
         if self.console.is_lead:  # only now: a refused resume must leave the old config in place
-            save_json(cfg, os.path.join(self.run_dir, "config.json"))
+            run_dir_lib.write_config(self.run_dir, cfg)
         self.batch_sh = sharding.batch_sharding(self.mesh)
         train_step = jit_train_step(model, optimizer, self.mesh, state_sh)
         # The BF16 tail (quantization_end_step) has the same parameters; its step is traced only
@@ -364,24 +342,14 @@ class _Segment:
             tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
             num_devices=self.mesh.devices.size,
         )
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         if self.console.is_lead:
-            self.writer = metrics_lib.MetricsWriter(metrics_path, start=self.start)
-            self.evaluated_at_start = any(r.get("step") == self.start and "eval_perplexity" in r
-                                          for r in metrics_lib.read_metrics(metrics_path))
-            if self.writer.dropped:
-                self.console.info(f"metrics.jsonl: dropped {self.writer.dropped} lines logged after step "
-                                  f"{self.start} by an earlier segment (this one logs those steps again).")
-        if jax.process_count() > 1:  # every process must agree to run (or skip) the evaluation
-            from jax.experimental import multihost_utils
-
-            self.evaluated_at_start = bool(multihost_utils.broadcast_one_to_all(np.int32(self.evaluated_at_start)))
-        if self.start == t.steps and not self.evaluated_at_start:
-            self.console.info(f"The run in {self.run_dir} stopped in its last step before its final evaluation: "
-                              "evaluating it now.")
-        elif self.start >= t.steps:
+            self.writer = run_dir_lib.MetricsWriter(self.run_dir, start=self.start)
+            for note in self.writer.notes:
+                (self.console.warn if note.startswith("warning:") else self.console.info)(note)
+        if self.start >= t.steps:
             self.console.info(f"The run in {self.run_dir} is already at step {self.start} of steps={t.steps}: "
-                              "nothing to train. Raise steps=... to continue it, or pick a new run_name=...")
+                              "nothing to train; evaluating it. Raise steps=... to continue it, or pick a new "
+                              "run_name=...")
         if self.console.is_lead:
             self.console.bar = metrics_lib.progress_bar(self.start, t.steps, self.progress)
         self.last_time = time.perf_counter()
@@ -416,11 +384,14 @@ class _Segment:
                     self._evaluate(reached)
             if pending is not None:
                 self._report(pending)
-            # A run stopped in its last step resumes with nothing to train but still owes its
-            # final evaluation.
-            if stopped_by is None and (reached > self.start or (reached == t.steps and not self.evaluated_at_start)):
-                final_eval = self._evaluate(reached)
-            elif stopped_by is not None:
+            if stopped_by is None:
+                # A run is finished only when its final evaluation is recorded. A resume with
+                # nothing left to train is one whose last segment stopped in its last step or
+                # during that evaluation: it evaluates (every process, the same bits) and logs
+                # the loss unless the file already has it.
+                final_eval = self._evaluate(reached, log=reached > self.start or not (
+                    self.writer and self.writer.has(reached, "eval_perplexity")))
+            else:
                 saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"
                 self.console.info(f"Stopped by {stopped_by} after step {reached} ({saved}); run the same "
                                   "command again to resume.")
@@ -431,21 +402,16 @@ class _Segment:
                 self.console.bar.close()
             if self.writer:
                 self.writer.close()
-            if self.manager is not None:
-                self.manager.close()
-        return self._summary(metrics_path, reached, final_eval, stopped_by)
+        return self._summary(reached, final_eval, stopped_by)
 
-    def _summary(self, metrics_path: str, reached: int, final_eval, stopped_by) -> dict[str, Any]:
-        # The whole run, not just this segment: earlier segments' records come from the file.
-        records = metrics_lib.read_metrics(metrics_path) if self.console.is_lead else self.history
+    def _summary(self, reached: int, final_eval, stopped_by) -> dict[str, Any]:
+        # The whole run, not just this segment: earlier segments' records come from the file
+        # (which this segment's writer has just rewritten clean).
+        records = run_dir_lib.read_metrics(self.run_dir) if self.console.is_lead else self.history
         train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
-        evals = sorted((r["step"], r["eval_loss"]) for r in records if "eval_loss" in r)
-        evals_bf16 = sorted((r["step"], r["eval_loss_bf16"]) for r in records if "eval_loss_bf16" in r)
+        evals = sorted(run_dir_lib.iter_steps(records, "eval_loss"))
+        evals_bf16 = sorted(run_dir_lib.iter_steps(records, "eval_loss_bf16"))
         final_bf16 = self.last_eval.get("eval_loss_bf16") if final_eval is not None else None
-        if final_eval is None and stopped_by is None:  # nothing trained: the run's own last evaluation
-            primary = evals if self.cfg.train.eval_quantization != "bf16" else evals_bf16
-            final_eval = next((loss for step, loss in reversed(primary) if step == reached), None)
-            final_bf16 = next((loss for step, loss in reversed(evals_bf16) if step == reached), None)
         steady = [r["tokens_per_device"] for r in self.history[1:]] or [r["tokens_per_device"] for r in self.history]
         summary = {
             "run_directory": os.path.abspath(self.run_dir),
@@ -469,8 +435,7 @@ class _Segment:
             "last_checkpoint_step": self.last_good[0] if self.last_good else None,
         }
         if self.console.is_lead:
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            run_dir_lib.write_summary(self.run_dir, summary)
         return summary
 
 

@@ -1,13 +1,12 @@
-"""Per-step metrics: MaxText's log line, a JSONL file, and a progress bar for humans."""
+"""Per-step metrics: MaxText's log line and a progress bar for humans (the file they go to,
+metrics.jsonl, is `run_dir`'s)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -48,55 +47,6 @@ def maxtext_line(r: dict[str, Any]) -> str:
         f"total_weights: {int(r['total_weights'])}, loss: {r['loss']:.3f}, "
         f"lm_loss: {r['lm_loss']:.3f}, perplexity: {r['perplexity']:.3f}"
     )
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in order; a torn last line (a kill mid-write) is skipped."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    return records
-
-
-class MetricsWriter:
-    """Appends one JSON object per line, each tagged with this run segment's id.
-
-    A run is made of segments: the first start, then each resume. Opening the file for a segment
-    that starts at step `start` first drops the records of later steps: an earlier segment logged
-    them after its last checkpoint, and this one will log them again (bit-identically), so every
-    step appears once. `dropped` says how many were dropped.
-    """
-
-    def __init__(self, path: str, *, start: int = 0):
-        old = read_metrics(path)
-        kept = [r for r in old if int(r.get("step", 0)) <= start]
-        self.segment: int = 1 + max((int(r.get("segment", 0)) for r in old), default=-1)
-        lines = 0
-        if os.path.exists(path):
-            with open(path) as f:
-                lines = sum(1 for line in f if line.strip())
-        self.dropped: int = lines - len(kept)  # including a torn line
-        if self.dropped:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(tmp, path)
-        self._file: TextIO = open(path, "a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({**record, "segment": self.segment}) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def progress_bar(start: int, total: int, enabled: bool | None = None):

@@ -108,7 +108,7 @@ def test_metrics_are_read_tolerantly(tmp_path):
         {"step": 2, "loss": 3.9},  # the resumed run logged step 2 again: the last one counts
     ]
     path.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 3, "lo')  # cut by a kill
-    got = runs.read_metrics(str(path))
+    got = runs.metric_series(str(tmp_path))
     assert got["loss"] == {1: 5.0, 2: 3.9}
     assert got["eval_loss"] == {2: 4.5}
     assert got["quant_stats"] == {2: {"layers_0/mlp/up": {"x": {"error": 0.1}}}}

@@ -6,7 +6,6 @@ uninterrupted reference run (`reference_losses`). An in-process run on the test 
 virtual devices is not comparable to those at the last bit, so the reference is a process too.
 """
 
-import json
 import os
 import queue
 import subprocess
@@ -16,6 +15,8 @@ import threading
 import time
 
 import pytest
+
+from nvfp4_jax.train.run_dir import read_metrics  # noqa: F401  (the tests' reader too)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +30,7 @@ CLI_ARGS = [
 # - HOLD_SAVE_AT: when the step orbax commits (renames its temporary folder) is this one (or any
 #   step, for "any"), print "INSIDE_SAVE <step> <temporary folder>" and wait there, inside the
 #   save, with the arrays written but not committed, until a signal ends the process.
+# - FAIL_SAVE_AT: the commit of this step fails as on a full disk (OSError ENOSPC).
 # - HOLD_BATCH_AT: before loading the training batch of this step index, print
 #   "WAITING_AT_BATCH <step>" and wait for a line on stdin (`Training.release`).
 _HOOKED_MAIN = textwrap.dedent(
@@ -49,10 +51,13 @@ _HOOKED_MAIN = textwrap.dedent(
     data.TokenBatches.batch = batch
 
     hold_at = os.environ.get("HOLD_SAVE_AT", "")
+    fail_at = os.environ.get("FAIL_SAVE_AT", "")
     commit = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize(self):
         final = self.get_final()
+        if final.name == fail_at:
+            raise OSError(28, "No space left on device", str(self.get()))
         if final.name.isdigit() and hold_at in ("any", final.name):
             print(f"INSIDE_SAVE {final.name} {self.get()}", flush=True)
             while True:
@@ -83,10 +88,10 @@ def cli_env(**extra):
 class Training:
     """A training process started with `CLI_ARGS` + extra args in `out_dir`."""
 
-    def __init__(self, out_dir, *extra, hold_save_at=None, hold_batch_at=None):
+    def __init__(self, out_dir, *extra, hold_save_at=None, hold_batch_at=None, fail_save_at=None):
         self.run_dir = os.path.join(str(out_dir), "run")
         self.stderr_path = os.path.join(str(out_dir), f"stderr-{time.monotonic_ns()}.txt")
-        hooks = {"HOLD_SAVE_AT": hold_save_at, "HOLD_BATCH_AT": hold_batch_at}
+        hooks = {"HOLD_SAVE_AT": hold_save_at, "HOLD_BATCH_AT": hold_batch_at, "FAIL_SAVE_AT": fail_save_at}
         env = cli_env(**{k: str(v) for k, v in hooks.items() if v is not None})
         with open(self.stderr_path, "w") as stderr:
             self.proc = subprocess.Popen(
@@ -143,11 +148,6 @@ class Training:
         while (line := self._lines.get_nowait()) is not None:
             self.stdout.append(line)
         return self.proc.returncode
-
-
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def train_losses(run_dir):

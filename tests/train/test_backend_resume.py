@@ -9,7 +9,7 @@ import pytest
 from nvfp4_jax.config import ConfigError, load_config
 from nvfp4_jax.quant import BackendChoice
 from nvfp4_jax.train import checkpoint
-from nvfp4_jax.train.build import check_backend_resume
+from nvfp4_jax.train.resume import check_backend as check_backend_resume
 from nvfp4_jax.train.loop import run
 
 TINY = [

@@ -200,3 +200,51 @@ def test_kill_inside_a_save_keeps_the_previous_checkpoint_and_resume_continues(t
     losses = train_losses(resumed.run_dir)  # also: no step logged twice
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert losses == reference_losses
+
+
+def test_a_failed_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=1)
+    first = _state(1, 1.0)
+    checkpoint.save(manager, first, {"step": 1}, max_to_keep=1)
+
+    def no_space(self, step, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.save(manager, _state(2, 2.0), {"step": 2}, max_to_keep=1)
+    assert str(err.value) == (f"Saving checkpoint step 2 in {tmp_path} failed (OSError: [Errno 28] No space "
+                              "left on device)")
+    monkeypatch.undo()
+    assert manager.all_steps() == [1]
+    restored, _, verified = checkpoint.restore(manager, _abstract(first))
+    assert verified
+    _assert_same(restored, first)
+
+
+def test_prune_keeps_only_the_newest_checkpoints(tmp_path):
+    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=10)
+    for step in (1, 2, 3, 4):
+        checkpoint.save(manager, _state(step, float(step)), {"step": step})
+    checkpoint.prune(manager, 2)
+    assert sorted(manager.all_steps()) == [3, 4]
+    assert sorted(n for n in os.listdir(tmp_path) if n.isdigit()) == ["3", "4"]
+    checkpoint.save(manager, _state(5, 5.0), {"step": 5}, max_to_keep=1)  # the save rotates too
+    assert sorted(n for n in os.listdir(tmp_path) if n.isdigit()) == ["5"]
+
+
+def test_step_folder_problem_names_a_file_where_a_folder_belongs(tmp_path):
+    assert checkpoint.step_folder_problem(str(tmp_path / "absent")) is None
+    (tmp_path / "ckpt").write_text("x")
+    assert checkpoint.step_folder_problem(str(tmp_path / "ckpt")) == f"{tmp_path / 'ckpt'} is not a directory"
+    os.remove(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "2").mkdir(parents=True)
+    (tmp_path / "ckpt" / "notes.txt").write_text("x")  # not a step: none of its business
+    assert checkpoint.step_folder_problem(str(tmp_path / "ckpt")) is None
+    (tmp_path / "ckpt" / "4").write_text("x")
+    assert checkpoint.step_folder_problem(str(tmp_path / "ckpt")) == (
+        f"{tmp_path / 'ckpt' / '4'} is not a directory (checkpoint step 4 should be)")
