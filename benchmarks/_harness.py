@@ -38,7 +38,7 @@ class StepCase:
         batch_sh = sharding.batch_sharding(mesh)
         self.step = jit_train_step(model, optimizer, mesh, state_sh)
         dataset = data_lib.make_dataset(
-            cfg.data, seq_len=seq, global_batch_size=cfg.train.per_device_batch_size * mesh.devices.size,
+            cfg.data, seq_len=seq, global_batch_size=sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size),
             seed=cfg.train.seed, split="train", vocab_size=cfg.model.vocab_size,
         )
         self.batch = jax.device_put(dataset.batch(0), batch_sh)

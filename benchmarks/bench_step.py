@@ -75,7 +75,7 @@ def _identity_model(cfg: Config) -> Llama:
         return make_dot_general(recipe, jax.random.PRNGKey(0), backend=IDENTITY_BACKEND)
 
     return Llama(cfg.model, mlp_dot_general_cls=factory,
-                 attention_kernel=select_attention(cfg.model.attention).kernel)
+                 attention_kernel=select_attention(cfg.model.attention, seq_len=cfg.model.max_target_length).kernel)
 
 
 def _op_category(op_name: str, hlo_op: str) -> str:

@@ -14,6 +14,10 @@ optax and orbax:
     `__cublas$lt$matmul$f8`, in the compiled HLO of the FP8 train step and of one projection),
     and that projection's fwd + bwd speed against bf16 at (M, K, N) = (8192, 4096, 14336) with a
     random dY passed in as an argument (a constant or a `sum()` loss lets XLA fold the backward).
+(e) `long_context`: one long sequence (FULL: the (a) model at 32,768 tokens, batch 1, full remat,
+    num_vocab_tiling 8, attention autoselected) on one device: step time and peak memory beside
+    `nvfp4_jax.plan`'s estimate for the same config (issue 21; context parallelism itself needs
+    more than the one lent GPU).
 (d) `quantize_kernels`: a marked hook for the Pallas quantize kernels of a later issue.
 
 Every case runs in its own process (its own compile cache and memory high-water mark). Without
@@ -43,7 +47,7 @@ RESULTS = HERE / "results" / "gpu"
 RECIPES = ("bf16", "te_fp8_delayedscaling", "te_nvfp4_no_rht", "te_nvfp4")
 IDENTITY = "te_nvfp4 (identity quantizer)"
 # Run order: the most wanted numbers first, in case the time budget runs out.
-ORDER = ("bf16", "te_nvfp4", "te_fp8_delayedscaling", "fp8_gemm", IDENTITY, "te_nvfp4_no_rht")
+ORDER = ("bf16", "te_nvfp4", "te_fp8_delayedscaling", "fp8_gemm", IDENTITY, "te_nvfp4_no_rht", "long_context")
 # Memory settings tried in turn until nvfp4_jax.plan says the step fits: fastest first.
 MEMORY_SETTINGS = ((("remat_policy", "none"), ("num_vocab_tiling", 1)),
                    (("remat_policy", "none"), ("num_vocab_tiling", 4)),
@@ -59,10 +63,10 @@ BF16_PEAKS = {
 }
 FULL = dict(model=dict(vocab_size=32768, base_emb_dim=2048, base_num_query_heads=16, base_num_kv_heads=8,
                        head_dim=128, base_mlp_dim=8192, base_num_decoder_layers=16, max_target_length=4096),
-            batch=8, repeats=6, gemm=(8192, 4096, 14336), gemm_repeats=20)
+            batch=8, repeats=6, gemm=(8192, 4096, 14336), gemm_repeats=20, long_context=32768)
 REDUCED = dict(model=dict(vocab_size=256, base_emb_dim=128, base_num_query_heads=4, base_num_kv_heads=2,
                           head_dim=32, base_mlp_dim=384, base_num_decoder_layers=2, max_target_length=128),
-               batch=2, repeats=3, gemm=(256, 128, 384), gemm_repeats=5)
+               batch=2, repeats=3, gemm=(256, 128, 384), gemm_repeats=5, long_context=512)
 FP8_CUSTOM_CALL = "__cublas$lt$matmul$f8"
 
 
@@ -196,8 +200,38 @@ def part_quantize_kernels() -> dict:
     return dict(status="not run: no Pallas quantize kernels yet (a later issue adds them)")
 
 
+def part_long_context(shapes: dict) -> dict:
+    """(e) One sequence of `shapes["long_context"]` tokens on one device, against the plan."""
+    import jax
+    from _harness import StepCase
+    from nvfp4_jax import sharding
+    from nvfp4_jax.config import make_config
+    from nvfp4_jax.plan import local_device_memory, make_plan
+    from nvfp4_jax.train.build import build_model, describe_attention
+
+    length = shapes["long_context"]
+    cfg = make_config({"model_name": "tiny", **shapes["model"], "max_target_length": length,
+                       "quantization": "bf16", "per_device_batch_size": 1, "dataset_type": "synthetic",
+                       "steps": 10_000, "scan_layers": True, "attention": "autoselected",
+                       "remat_policy": "full", "num_vocab_tiling": 8, "ici_fsdp_parallelism": 1})
+    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+    planned = make_plan(cfg, 1, local_device_memory())
+    step = StepCase(cfg, mesh, build_model(cfg.model))
+    step.compile()
+    step.run(record=False)
+    for _ in range(max(shapes["repeats"] // 2, 1)):
+        step.run()
+    return dict(case="long_context", tokens=length, median_step_s=round(statistics.median(step.times), 4),
+                tokens_per_s=round(length / statistics.median(step.times), 1),
+                peak_bytes_in_use=_peak_memory(), plan_total_bytes=planned.total_bytes_per_device,
+                plan_fits=planned.fits, attention=describe_attention(cfg.model),
+                compile_s=round(step.compile_s, 2))
+
+
 def _child(args) -> dict:
     shapes = REDUCED if args.reduced else FULL
+    if args.part == "long_context":
+        return part_long_context(shapes)
     if args.part == "step":
         return part_step(args.case, shapes)
     if args.part == "fp8_gemm":
@@ -239,7 +273,7 @@ def main(argv=None) -> dict:
             print(f"  {name}: FAILED\n{err}", flush=True)
             return dict(error=str(err))
 
-    steps, gemm = {}, {}
+    steps, gemm, long_context = {}, {}, {}
     for case in ORDER:
         if case == "fp8_gemm":
             gemm = run(case, ["--part", "fp8_gemm"])
@@ -248,6 +282,12 @@ def main(argv=None) -> dict:
                       f"FP8 recipe {gemm['te_fp8_delayedscaling']['tflops_per_s']} TFLOP/s "
                       f"({gemm['fp8_over_bf16_time']}x the bf16 time); cuBLASLt FP8 calls: "
                       f"{gemm['te_fp8_delayedscaling']['fp8_gemm_calls']}", flush=True)
+            continue
+        if case == "long_context":
+            long_context = run(case, ["--part", "long_context"])
+            if "median_step_s" in long_context:
+                print(f"  long context {long_context['tokens']} tokens: {long_context['median_step_s']:.3f} s/step, "
+                      f"peak {long_context['peak_bytes_in_use']}, plan {long_context['plan_total_bytes']:.3g} B", flush=True)
             continue
         steps[case] = r = run(case, ["--part", "step", "--case", case])
         if "median_step_s" in r:
@@ -283,6 +323,7 @@ def main(argv=None) -> dict:
             gemm=gemm,
         ),
         quantize_kernels=part_quantize_kernels(),
+        long_context=long_context,
     )
     for folder in out_dirs:
         write_json(folder / "gpu_suite.json", result)

@@ -36,13 +36,16 @@ QUANTIZATION_FLAGS = (
 )
 ATTENTION_QUANTIZATION_FLAGS = ("", "bf16", "fp8")
 # MaxText's attention kernel names; "cudnn_flash_te" is MaxText's name for the same fused kernel.
-ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te")
+ATTENTION_KERNELS = ("autoselected", "dot_product", "cudnn_flash", "cudnn_flash_te", "chunked")
 # MaxText's remat policy names (the ones that apply to this model) plus "none": no remat.
 REMAT_POLICIES = ("none", "full", "minimal", "minimal_with_context", "save_dot_except_mlp")
 # Which code runs the MLP GEMMs (nvfp4_jax.quant.backends.BACKENDS; docs/backends.md).
 QUANTIZATION_BACKENDS = ("auto", "emulated", "xla", "te")
 # Who computes NVFP4 GEMM operands (nvfp4_jax.kernels.select): auto, the Pallas kernels, jnp.
 QUANT_KERNELS = ("auto", "pallas", "jnp")
+# How attention runs when the sequence is split over the `context` mesh axis (MaxText's names):
+# all_gather gathers K/V along the sequence; ulysses exchanges sequence shards for head shards.
+CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ulysses")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens")
 PROFILERS = ("", "xplane")
 # Which forward pass evaluates (TrainConfig.eval_quantization).
@@ -83,8 +86,16 @@ class ModelConfig:
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     # Attention kernel: autoselected picks cudnn_flash on NVIDIA GPUs that run it, else
-    # dot_product (scores and softmax in fp32, materialised per head).
+    # chunked above 2048 tokens (memory linear in L) and dot_product up to it (scores and
+    # softmax in fp32, materialised per head).
     attention: str = "autoselected"
+    # Long context (issue 21): attention's algorithm under ici/dcn_context_parallelism > 1
+    # (CONTEXT_PARALLEL_STRATEGIES; nvfp4_jax.model.ulysses).
+    context_parallel_strategy: str = "all_gather"
+    # --- chunked attention (attention=chunked) ---
+    # Queries and keys per block of its online softmax (MaxText's sa_block_q/sa_block_kv in
+    # one key); any sequence length works (padded up to whole blocks inside).
+    attention_chunk_size: int = 512
     # Decoder layers under one scan (compile time flat in depth; parameters stacked on a
     # leading "layers" axis) or unrolled (`layers_{i}`). Checkpoints hold one layout or the other.
     scan_layers: bool = True
@@ -114,7 +125,9 @@ class TrainConfig:
     """Optimizer, schedule, loop, logging, checkpoints and profiling."""
 
     steps: int = 300
-    per_device_batch_size: int = 8
+    # MaxText's meaning: global batch = per_device_batch_size x devices. Fractional when
+    # context parallelism splits one sequence over several devices (0.125 x 8 devices = 1).
+    per_device_batch_size: float = 8.0
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.1
     cosine_learning_rate_final_fraction: float = 0.1
@@ -148,6 +161,13 @@ class TrainConfig:
     # quantization_end_step has passed), "bf16" (the same weights with BF16 dots: the model a
     # user ships), or "both" (eval_loss as "train", plus eval_loss_bf16).
     eval_quantization: str = "train"
+    # --- Checkpoint interop and TensorBoard (MaxText's keys) ---
+    # A parameters checkpoint (`python -m nvfp4_jax.convert from-hf`) to start from: its
+    # parameters, a fresh optimizer, step 0. Ignored once the run has checkpoints of its own.
+    load_parameters_path: str = ""
+    # Step metrics as TensorBoard scalars in <run dir>/tensorboard/ (extra `tensorboard`;
+    # without it a warning, and the run goes on).
+    enable_tensorboard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +177,11 @@ class MeshConfig:
     ici_data_parallelism: int = 1
     ici_fsdp_parallelism: int = -1
     dcn_data_parallelism: int = 1
+    # Long context and tensor parallelism (issue 21): `context` splits every activation's
+    # sequence axis (dcn x ici devices), `tensor` splits attention heads and the MLP width.
+    ici_context_parallelism: int = 1
+    dcn_context_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
     # Multi-host start-up; empty/-1 means "read the usual environment variables".
     coordinator_address: str = ""
     num_processes: int = -1
@@ -366,6 +391,18 @@ def load_config(argv: Sequence[str] = ()) -> Config:
     return make_config(*config_layers(argv))
 
 
+def global_batch_size(per_device_batch_size: float, num_devices: int) -> int:
+    """MaxText's global batch, `per_device_batch_size x devices`, which must be whole sequences."""
+    exact = per_device_batch_size * num_devices
+    if exact < 1 or abs(exact - round(exact)) > 1e-9:
+        raise ConfigError(
+            f"per_device_batch_size={per_device_batch_size:g} x {num_devices} devices = {exact:g} "
+            "sequences: the global batch must be a whole number >= 1 (fractional per_device_batch_size "
+            "is for context parallelism, e.g. 0.125 with 8 devices sharing one sequence)."
+        )
+    return int(round(exact))
+
+
 INT32_MAX = 2**31 - 1
 
 
@@ -442,7 +479,9 @@ def validate(cfg: Config) -> None:
     _check(d.token_dtype in ("uint16", "uint32", "int32"), "token_dtype", d.token_dtype,
            "uint16, uint32 or int32")
     _check(0.0 < d.eval_fraction < 1.0, "eval_fraction", d.eval_fraction, "must lie in (0, 1)")
-    for key in ("steps", "per_device_batch_size", "log_period", "eval_interval", "eval_steps",
+    _check(t.per_device_batch_size > 0, "per_device_batch_size", t.per_device_batch_size,
+           "must be > 0 (fractional only when context parallelism shares a sequence)")
+    for key in ("steps", "log_period", "eval_interval", "eval_steps",
                 "checkpoint_period", "max_checkpoints_to_keep", "profile_steps"):
         _check(getattr(t, key) > 0, key, getattr(t, key), "must be a positive integer")
     _check(t.learning_rate > 0, "learning_rate", t.learning_rate, "must be > 0")
@@ -467,7 +506,8 @@ def validate(cfg: Config) -> None:
     _check(t.eval_quantization in EVAL_QUANTIZATIONS, "eval_quantization", t.eval_quantization,
            f"choose one of {list(EVAL_QUANTIZATIONS)}")
     _check(t.profile_start_step >= 0, "profile_start_step", t.profile_start_step, "must be >= 0")
-    for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism"):
+    for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism",
+                "ici_context_parallelism", "dcn_context_parallelism", "ici_tensor_parallelism"):
         value = getattr(mesh, key)
         _check(value == -1 or value > 0, key, value, "must be a positive integer or -1")
 
@@ -476,6 +516,10 @@ def _validate_layout_keys(m: ModelConfig) -> None:
     """The attention kernel, layer layout, remat and loss-tiling keys."""
     _check(m.attention in ATTENTION_KERNELS, "attention", m.attention,
            f"choose one of {list(ATTENTION_KERNELS)}")
+    _check(m.context_parallel_strategy in CONTEXT_PARALLEL_STRATEGIES, "context_parallel_strategy",
+           m.context_parallel_strategy, f"choose one of {list(CONTEXT_PARALLEL_STRATEGIES)}")
+    _check(m.attention_chunk_size > 0, "attention_chunk_size", m.attention_chunk_size,
+           "must be a positive integer (queries and keys per block of attention=chunked)")
     _check(m.remat_policy in REMAT_POLICIES, "remat_policy", m.remat_policy,
            f"choose one of {list(REMAT_POLICIES)}")
     _check(m.num_vocab_tiling > 0 and m.max_target_length % m.num_vocab_tiling == 0,

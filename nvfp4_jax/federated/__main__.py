@@ -43,7 +43,7 @@ import os
 import sys
 import traceback
 
-from nvfp4_jax.config import ConfigError, config_layers, make_config
+from nvfp4_jax.config import ConfigError, config_layers, global_batch_size, make_config
 
 DEFAULTS = {
     "model_name": "tiny", "quantization": "te_nvfp4", "max_target_length": 128,
@@ -128,7 +128,7 @@ def build_spec(argv: list[str]):
     merged = {k: v for layer in layers for k, v in layer.items()}
     cfg = make_config(*layers)  # validates every training key
     n = args.sites
-    global_batch = cfg.train.per_device_batch_size * args.site_devices
+    global_batch = global_batch_size(cfg.train.per_device_batch_size, args.site_devices)
     total = args.samples_per_round or 4 * global_batch * n
     if "steps" not in merged:  # the learning-rate schedule spans the sites' expected local steps
         merged["steps"] = max(1, args.rounds * total // (n * global_batch))

@@ -79,7 +79,7 @@ class SiteTrainer:
         self.cfg, self.contract, self.slowdown, self.watts = cfg, contract, slowdown, watts
         self.mesh = sharding.make_mesh(cfg.mesh, devices)
         sharding.check_divisibility(cfg, self.mesh)
-        self.global_batch = cfg.train.per_device_batch_size * self.mesh.devices.size
+        self.global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, self.mesh.devices.size)
         self.model = build_model(cfg.model)
         base = make_optimizer(cfg.train)
         m = cfg.model
@@ -157,7 +157,7 @@ class Evaluator:
         optimizer = make_optimizer(cfg.train)
         self.state, state_sh = init_state(self.model, optimizer, m.max_target_length, self.mesh, cfg.train.seed)
         self.eval_fn = jit_eval_step(self.model, self.mesh, state_sh)
-        global_batch = cfg.train.per_device_batch_size * self.mesh.devices.size
+        global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, self.mesh.devices.size)
         data = data_lib.make_dataset(cfg.data, seq_len=m.max_target_length, global_batch_size=global_batch,
                                      seed=cfg.train.seed, split="eval", vocab_size=m.vocab_size)
         batch_sh = sharding.batch_sharding(self.mesh)

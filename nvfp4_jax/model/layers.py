@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from nvfp4_jax.model.attention import ATTENTION_FNS
+from nvfp4_jax.config import ModelConfig
+from nvfp4_jax.model.attention import attention_fn
+from nvfp4_jax.model.ulysses import context_parallel_attention
 
 # A zero-argument factory returning a `jax.lax.dot_general`-compatible callable (a plain function
 # or a Flax module instance); None means `jax.lax.dot_general`.
@@ -50,6 +52,7 @@ ACTIVATION_AXES = {
     "activation_vocab": "logits' vocabulary axis, V",
     "activation_lookup_batch": "batch of the embedding lookup (data-parallel split only), B",
     "activation_lookup_embed": "model width of the embedding lookup (split like the table), D",
+    "activation_lookup_length": "sequence of the embedding lookup (whole: the table's D split may use the context axis), L",
 }
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLF = ("activation_batch", "activation_length", "activation_mlp")
@@ -120,12 +123,12 @@ class Embed(nn.Module):
             jnp.float32,
         )
         table_VxD = constrain(embedding_VxD, ("vocab", "embed"))
-        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_length"))
+        tokens_BxL = constrain(tokens_BxL, ("activation_lookup_batch", "activation_lookup_length"))
         # Look up in fp32 (the backward scatter-adds repeated tokens' gradients in fp32), then
         # cast before the all-to-all, which moves half the bytes.
         x_BxLxD = constrain(
             jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype),
-            ("activation_lookup_batch", "activation_length", "activation_lookup_embed"),
+            ("activation_lookup_batch", "activation_lookup_length", "activation_lookup_embed"),
         )
         return constrain(x_BxLxD, BLD)
 
@@ -173,22 +176,28 @@ def rope_frequencies(
     return np.where(wavelen < original_max_position / high_freq_factor, inv_freq, scaled)
 
 
-def apply_rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, inv_freq_K2: np.ndarray) -> jax.Array:
+def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, inv_freq_K2: np.ndarray) -> jax.Array:
     """Rotates the pairs (x[i], x[i + K/2]) by angle position * inv_freq[i], in fp32.
+
+    `positions_BxL` is each token's position in its document ([B, L], or [L] for every row).
 
     The half-split pairing of Hugging Face's Llama; Meta's checkpoints pair (x[2i], x[2i+1]), so
     their Q/K kernels would need HF's column permutation to load here.
     """
-    angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq_K2, jnp.float32)
-    angle_Lx1xK2 = angle_LxK2[:, None, :]
-    cos, sin = jnp.cos(angle_Lx1xK2), jnp.sin(angle_Lx1xK2)
+    angle_BxLxK2 = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K2, jnp.float32)
+    angle_BxLx1xK2 = angle_BxLxK2[..., None, :]
+    cos, sin = jnp.cos(angle_BxLx1xK2), jnp.sin(angle_BxLx1xK2)
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_BxLxHxK.dtype)
 
 
 class Attention(nn.Module):
-    """Q/K/V projections, rotary embedding, causal GQA, output projection."""
+    """Q/K/V projections, rotary embedding, causal GQA within segments, output projection.
+
+    `segment_ids_BxL` (None: one segment per row) keeps attention inside each document;
+    `positions_BxL` (None: 0..L-1) are the rotary positions, restarting per document.
+    """
 
     num_query_heads: int
     num_kv_heads: int
@@ -198,9 +207,14 @@ class Attention(nn.Module):
     dot_general_cls: DotGeneralFactory = None
     # One of attention.KERNELS (already resolved: never "autoselected" here).
     kernel: str = "dot_product"
+    # How the kernel runs on a sequence split over devices (model.ulysses.STRATEGIES).
+    context_strategy: str = "all_gather"
+    # Queries and keys per block of the chunked kernel (attention_chunk_size).
+    chunk_size: int = ModelConfig.attention_chunk_size
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, G, K = self.num_query_heads, self.num_kv_heads, self.head_dim
 
@@ -211,12 +225,13 @@ class Attention(nn.Module):
         q_BxLxHxK = dense(H * K, ("embed", "q_heads_x_dim"), "query")(x_BxLxD).reshape(B, L, H, K)
         k_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "key")(x_BxLxD).reshape(B, L, G, K)
         v_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "value")(x_BxLxD).reshape(B, L, G, K)
-        positions_L = jnp.arange(L)
+        positions_BxL = jnp.arange(L)[None] if positions_BxL is None else positions_BxL
         inv_freq_K2 = np.asarray(self.inv_freq)
-        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_L, inv_freq_K2), BLHK)
-        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_L, inv_freq_K2), BLHK)
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, positions_BxL, inv_freq_K2), BLHK)
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, positions_BxL, inv_freq_K2), BLHK)
         v_BxLxGxK = constrain(v_BxLxGxK, BLHK)
-        ctx_BxLxHxK = ATTENTION_FNS[self.kernel](q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        attend = context_parallel_attention(attention_fn(self.kernel, self.chunk_size), self.context_strategy)
+        ctx_BxLxHxK = attend(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL=segment_ids_BxL)
         ctx_BxLxHxK = checkpoint_name(constrain(ctx_BxLxHxK, BLHK), "context")
         return dense(D, ("q_heads_x_dim", "embed"), "out")(ctx_BxLxHxK.reshape(B, L, H * K))
 

@@ -97,7 +97,7 @@ def layer_blocks(cfg: ModelConfig) -> list[LayerBlock]:
 
 
 def _per_layer_rngs(fn):
-    """Lifted transform: `fn(scope, x, layer_index)` with every rng stream re-rooted per layer.
+    """Lifted transform: `fn(scope, x, layer_index, *rest)` with every rng stream re-rooted per layer.
 
     Each stream's key becomes `fold_in(parent's key, layer_index)` (the parent being the module
     that holds the layer), and the layer's draw counters start afresh on every call, so the keys
@@ -105,7 +105,7 @@ def _per_layer_rngs(fn):
     `layers_{i}` or iteration i of a scan, however often the scan body is traced.
     """
 
-    def inner(scope_fn, repack_fn, variable_groups, rng_groups, x, layer_index):
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, x, layer_index, *rest):
         def reroot(rng):
             # rng is the layer scope's lazy key: the stream's root plus the path to this
             # layer; the path's last entry is the layer's own name, which the index replaces.
@@ -116,7 +116,7 @@ def _per_layer_rngs(fn):
         scopes = scope_fn(variable_groups, rng_groups)
         for scope in jax.tree_util.tree_leaves(scopes):
             scope.rng_counters = {stream: 0 for stream in scope.rngs}
-        return fn(scopes, x, layer_index), repack_fn(scopes)
+        return fn(scopes, x, layer_index, *rest), repack_fn(scopes)
 
     return lift.pack(inner, (True,), (True,), (True,), name="per_layer_rngs")
 
@@ -124,8 +124,9 @@ def _per_layer_rngs(fn):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h)).
 
-    Called as `layer(x, layer_index) -> (x, None)`, the form `nn.scan` needs; `layer_index` is
-    data (a traced int32), used only through the per-layer rngs.
+    Called as `layer(x, layer_index, segment_ids_BxL, positions_BxL) -> (x, None)`, the form
+    `nn.scan` needs (the last two broadcast to every layer); `layer_index` is data (a traced
+    int32), used only through the per-layer rngs.
     """
 
     cfg: ModelConfig
@@ -134,7 +135,8 @@ class DecoderLayer(nn.Module):
     attention_kernel: str = "dot_product"
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, layer_index: jax.Array):
+    def __call__(self, x_BxLxD: jax.Array, layer_index: jax.Array,
+                 segment_ids_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         inv_freq = rope_frequencies(
@@ -144,8 +146,9 @@ class DecoderLayer(nn.Module):
         eps = cfg.normalization_layer_epsilon
         h_BxLxD = x_BxLxD + Attention(
             cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim, tuple(inv_freq.tolist()),
-            dtype, self.attention_dot_general_cls, self.attention_kernel, name="attention",
-        )(RMSNorm(eps, dtype, name="attention_norm")(x_BxLxD))
+            dtype, self.attention_dot_general_cls, self.attention_kernel, chunk_size=cfg.attention_chunk_size,
+            context_strategy=cfg.context_parallel_strategy, name="attention",
+        )(RMSNorm(eps, dtype, name="attention_norm")(x_BxLxD), segment_ids_BxL, positions_BxL)
         h_BxLxD = constrain(h_BxLxD, BLD)
         out_BxLxD = h_BxLxD + MLP(cfg.base_mlp_dim, dtype, self.mlp_dot_general_cls, name="mlp")(
             RMSNorm(eps, dtype, name="mlp_norm")(h_BxLxD)
@@ -164,6 +167,7 @@ def _block_class(cfg: ModelConfig, block: LayerBlock):
             cls,
             variable_axes={True: 0},  # every collection: params, quantizer state, ...
             split_rngs={True: False},  # _per_layer_rngs makes each layer's keys its own
+            in_axes=(0, nn.broadcast, nn.broadcast),  # layer index; segments, positions
             length=block.stop - block.start,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
@@ -193,7 +197,7 @@ class Llama(nn.Module):
     def setup(self):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        kernel = self.attention_kernel or select_attention(cfg.attention).kernel
+        kernel = self.attention_kernel or select_attention(cfg.attention, seq_len=cfg.max_target_length).kernel
         self.token_embedder = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype)
         for block in layer_blocks(cfg):
             dots = ((self.mlp_dot_general_cls, self.attention_dot_general_cls)
@@ -205,26 +209,44 @@ class Llama(nn.Module):
     def embed(self, tokens_BxL: jax.Array) -> jax.Array:
         return self.token_embedder(tokens_BxL)
 
-    def features(self, x_BxLxD: jax.Array) -> jax.Array:
-        """Embeddings -> the final norm's output, the LM head's input."""
+    def features(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
+        """Embeddings -> the final norm's output, the LM head's input.
+
+        `segment_ids_BxL` (document id per token; None: one per row) keeps attention inside
+        each document; `positions_BxL` (None: 0..L-1) are the rotary positions.
+        """
         for block in layer_blocks(self.cfg):
             index = jnp.arange(block.start, block.stop, dtype=jnp.int32)
-            x_BxLxD, _ = getattr(self, block.name)(x_BxLxD, index if block.scanned else index[0])
+            x_BxLxD, _ = getattr(self, block.name)(
+                x_BxLxD, index if block.scanned else index[0], segment_ids_BxL, positions_BxL)
         return self.final_norm(x_BxLxD)
 
-    def decode(self, x_BxLxD: jax.Array) -> jax.Array:
+    def decode(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+               positions_BxL: jax.Array | None = None) -> jax.Array:
         """Embeddings -> fp32 logits (the model after the lookup; the causality test's entry)."""
-        return self.lm_head(self.features(x_BxLxD))
+        return self.lm_head(self.features(x_BxLxD, segment_ids_BxL, positions_BxL))
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        return self.decode(self.embed(tokens_BxL))
+    def __call__(self, tokens_BxL: jax.Array, *, segment_ids_BxL: jax.Array | None = None,
+                 positions_BxL: jax.Array | None = None) -> jax.Array:
+        return self.decode(self.embed(tokens_BxL), segment_ids_BxL, positions_BxL)
 
-    def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Mean next-token cross-entropy (fp32) and the number of tokens it averages.
+    def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array, *,
+             segment_ids_BxL: jax.Array | None = None, positions_BxL: jax.Array | None = None,
+             loss_weights_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Weighted mean next-token cross-entropy (fp32) and the weight it divides by.
 
-        The logits are computed `num_vocab_tiling` tiles at a time (see `model/loss.py`).
+        `sum(weight * loss) / sum(weight)` over the whole (global) batch: MaxText's
+        `total_weights` is that denominator. `loss_weights_BxL` is the loss mask (1: counted,
+        0: padding or masked; None counts every target); an all-zero mask gives loss 0. The
+        logits are computed `num_vocab_tiling` tiles at a time (see `model/loss.py`).
         """
-        h_BxLxD = self.features(self.embed(tokens_BxL))
-        total = self.lm_head(h_BxLxD, targets_BxL, self.cfg.num_vocab_tiling)
-        total_weights = jnp.asarray(targets_BxL.size, jnp.float32)
-        return total / total_weights, total_weights
+        h_BxLxD = self.features(self.embed(tokens_BxL), segment_ids_BxL, positions_BxL)
+        total = self.lm_head(h_BxLxD, targets_BxL, self.cfg.num_vocab_tiling, loss_weights_BxL)
+        if loss_weights_BxL is None:
+            total_weights = jnp.asarray(targets_BxL.size, jnp.float32)
+        else:
+            total_weights = loss_weights_BxL.astype(jnp.float32).sum()
+        # The weights count tokens (0 or 1): max(., 1) changes no count >= 1 and keeps an
+        # all-padding batch's loss 0 instead of 0 / 0.
+        return total / jnp.maximum(total_weights, 1.0), total_weights

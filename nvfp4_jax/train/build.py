@@ -86,7 +86,7 @@ def build_model(
         )
         if model_cfg.attention_quantization == "fp8":
             attention_dot = quant.dot_general_factory(ATTENTION_FP8_RECIPE, quant_stats=quant_stats)
-    kernel = select_attention(model_cfg.attention).kernel
+    kernel = select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length).kernel
     platform = jax.devices()[0].platform
     if kernel == "cudnn_flash" and platform != "gpu":
         raise ValueError(
@@ -99,7 +99,7 @@ def build_model(
 
 def describe_attention(model_cfg: ModelConfig) -> str:
     """The start-up line: which attention kernel this run uses, and why."""
-    kernel, reason = select_attention(model_cfg.attention)
+    kernel, reason = select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length)
     return f"attention: {kernel} ({reason})"
 
 
@@ -160,7 +160,7 @@ def backend_scope(model: Llama):
     on Transformer Engine (TE's partitioning reads it), nothing otherwise."""
     if not _runs_on_te(model):
         return contextlib.nullcontext()
-    data, fsdp = sharding.MESH_AXES
+    data, fsdp = sharding.BATCH_AXES
     return quant.te_backend.mesh_resource_scope(dp_axis=data, fsdp_axis=fsdp)
 
 

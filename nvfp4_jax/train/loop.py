@@ -35,10 +35,11 @@ import numpy as np
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, ConfigError, to_dict
+from nvfp4_jax.convert import params as params_lib
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.quant import health
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, resume, run_dir as run_dir_lib
-from nvfp4_jax.train import shutdown
+from nvfp4_jax.train import shutdown, tensorboard
 from nvfp4_jax.train.build import (
     build_model, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
     jit_train_step, quant_kernels_line, quantization_backend, state_shardings,
@@ -88,8 +89,10 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     distributed.maybe_initialize(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     sharding.check_divisibility(cfg, mesh)
+    if not resume.has_checkpoints(run_dir_lib.checkpoints(run_directory(cfg))):  # a resume ignores it
+        params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
     console = _Console(jax.process_index() == 0)
-    global_batch = cfg.train.per_device_batch_size * mesh.devices.size
+    global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size)
     datasets = {
         split: data_lib.make_dataset(
             cfg.data, seq_len=cfg.model.max_target_length, global_batch_size=global_batch,
@@ -120,7 +123,7 @@ class _Segment:
         self.cfg, self.mesh, self.run_dir, self.console, self.stop = cfg, mesh, run_dir, console, stop
         self.progress = progress
         self.train_data, self.eval_data = datasets["train"], datasets["eval"]
-        self.global_batch = cfg.train.per_device_batch_size * mesh.devices.size
+        self.global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size)
         self.manager = None
         self.last_good: tuple[int, bool] | None = None  # (step, verified) of the newest good checkpoint
         self.history: list[dict[str, Any]] = []
@@ -139,8 +142,7 @@ class _Segment:
         ckpt_dir = run_dir_lib.checkpoints(self.run_dir)
         if not t.enable_checkpointing:
             resume.check_checkpointing_off(ckpt_dir)
-            state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
-            return state, state_sh
+            return self._fresh_state(model, optimizer)
         self.manager = checkpoint.make_manager(ckpt_dir, max_to_keep=t.max_checkpoints_to_keep)
         abstract, state_sh = state_shardings(model, optimizer, m.max_target_length, self.mesh)
 
@@ -153,8 +155,7 @@ class _Segment:
             on_reject=on_reject,
         )
         if restored is None:
-            state, state_sh = init_state(model, optimizer, m.max_target_length, self.mesh, t.seed)
-            return state, state_sh
+            return self._fresh_state(model, optimizer)
         if restored.rejected:
             self._set_aside([step for step, _ in restored.rejected])
         checkpoint.prune(self.manager, t.max_checkpoints_to_keep)  # a segment killed before its rotation
@@ -163,6 +164,16 @@ class _Segment:
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
                           f"position: step {restored.record.get('data_step')}).")
         return restored.state, state_sh
+
+    def _fresh_state(self, model, optimizer):
+        """Step 0: initialised, with `load_parameters_path`'s parameters when it names some."""
+        t = self.cfg.train
+        state, state_sh = init_state(model, optimizer, self.cfg.model.max_target_length, self.mesh, t.seed)
+        if t.load_parameters_path:
+            state = params_lib.load_into(t.load_parameters_path, state, state_sh)
+            self.console.info(f"Parameters from load_parameters_path={t.load_parameters_path} "
+                              "(fresh optimizer, step 0).")
+        return state, state_sh
 
     def _set_aside(self, steps: list[int]) -> None:
         destination = run_dir_lib.rejected(self.run_dir)
@@ -346,6 +357,7 @@ class _Segment:
             self.writer = run_dir_lib.MetricsWriter(self.run_dir, start=self.start)
             for note in self.writer.notes:
                 (self.console.warn if note.startswith("warning:") else self.console.info)(note)
+            self.writer = tensorboard.with_tensorboard(self.writer, cfg, self.run_dir, self.start, self.console.warn)
         if self.start >= t.steps:
             self.console.info(f"The run in {self.run_dir} is already at step {self.start} of steps={t.steps}: "
                               "nothing to train; evaluating it. Raise steps=... to continue it, or pick a new "

@@ -14,7 +14,7 @@ class Throughput:
     """What a step's time means for this run (MaxText's definitions)."""
 
     flops_per_step: float  # analytic model FLOPs of one optimizer step, all devices together
-    tokens_per_device_per_step: int  # max_target_length * per_device_batch_size
+    tokens_per_device_per_step: float  # max_target_length * per_device_batch_size
     num_devices: int
 
     def tflops_per_device(self, seconds: float) -> float:

@@ -31,11 +31,15 @@ RESUME_MUTABLE_KEYS = (
     "profile_start_step", "profile_steps", "quantization_end_step", "run_name",
     "base_output_directory", "per_device_batch_size", "ici_data_parallelism",
     "ici_fsdp_parallelism", "dcn_data_parallelism", "coordinator_address", "num_processes",
-    "process_id",
+    "process_id", "ici_context_parallelism", "dcn_context_parallelism", "ici_tensor_parallelism",
+    "context_parallel_strategy",
     "remat_policy", "num_vocab_tiling",
     "quantization_backend",
     # Which forward pass evaluates (issue 17): never what trains.
     "eval_quantization",
+    # Where a fresh run's parameters came from (a resume restores its own checkpoint), and
+    # whether metrics also go to TensorBoard.
+    "load_parameters_path", "enable_tensorboard",
 )
 
 # Where a run is, not what it is.

@@ -20,14 +20,37 @@ def _variables(params, fp8_meta):
     return {"params": params, **fp8_meta}
 
 
+# MaxText's packed-batch keys: all three or none (see `document_inputs`).
+DOCUMENT_KEYS = ("inputs_segmentation", "inputs_position", "targets_segmentation")
+
+
+def document_inputs(batch) -> dict:
+    """`Llama.loss`'s keyword arguments for a batch's documents: segment ids, positions and the
+    loss weights (1 where `targets_segmentation` is nonzero); {} for a batch without them (one
+    document per row, every target counted)."""
+    present = [k for k in DOCUMENT_KEYS if k in batch]
+    if not present:
+        return {}
+    if len(present) != len(DOCUMENT_KEYS):
+        missing = [k for k in DOCUMENT_KEYS if k not in batch]
+        raise ValueError(f"a batch with {present} must also hold {missing} (all of {list(DOCUMENT_KEYS)} or none)")
+    return {
+        "segment_ids_BxL": batch["inputs_segmentation"],
+        "positions_BxL": batch["inputs_position"],
+        "loss_weights_BxL": (batch["targets_segmentation"] != 0).astype(jnp.float32),
+    }
+
+
 def _loss(model: nn.Module, params, fp8_meta, batch, key) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token loss in fp32, and the number of tokens it averages (MaxText's total_weights).
+    """Next-token loss in fp32 over the counted targets, and their number (MaxText's total_weights).
 
     The model computes it (`Llama.loss`), so that the LM head can run inside the loss's tiles.
+    Under jit the batch is the global batch, so both sums (losses and counted tokens) run over
+    every device's rows: a shard with padding or masked targets gets the right gradient.
     """
     return model.apply(
         _variables(params, fp8_meta), batch["inputs"], batch["targets"], method="loss",
-        rngs=quant_rngs(key),
+        rngs=quant_rngs(key), **document_inputs(batch),
     )
 
 

@@ -6,7 +6,8 @@ from nvfp4_jax.config import ConfigError, ModelConfig, load_config
 
 
 @pytest.mark.parametrize("arg, pattern", [
-    ("attention=flash", r"attention='flash' is not allowed: choose one of \['autoselected', 'dot_product', 'cudnn_flash', 'cudnn_flash_te'\]"),
+    ("attention=flash", r"attention='flash' is not allowed: choose one of \['autoselected', 'dot_product', 'cudnn_flash', 'cudnn_flash_te', 'chunked'\]"),
+    ("attention_chunk_size=0", r"attention_chunk_size=0 is not allowed: must be a positive integer \(queries and keys per block of attention=chunked\)"),
     ("remat_policy=save_everything", r"remat_policy='save_everything' is not allowed: choose one of \['none', 'full'"),
     ("num_vocab_tiling=3", r"num_vocab_tiling=3 is not allowed: must be a positive divisor of max_target_length=128"),
     ("num_vocab_tiling=0", r"num_vocab_tiling=0 is not allowed"),
@@ -27,3 +28,4 @@ def test_defaults_and_presets():
     assert not load_config(["model_name=small-25m"]).model.scan_layers
     assert load_config(["model_name=tiny", "scan_layers=true"]).model.scan_layers
     assert load_config(["attention=cudnn_flash_te"]).model.attention == "cudnn_flash_te"
+    assert load_config(["attention=chunked", "attention_chunk_size=256"]).model.attention_chunk_size == 256

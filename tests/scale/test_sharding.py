@@ -20,10 +20,12 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual
 @pytest.mark.parametrize(
     "mesh_cfg, expected",
     [
-        (MeshConfig(ici_fsdp_parallelism=-1), (1, 8)),
-        (MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1), (2, 4)),
-        (MeshConfig(ici_data_parallelism=-1, ici_fsdp_parallelism=2), (4, 2)),
-        (MeshConfig(dcn_data_parallelism=2, ici_data_parallelism=2, ici_fsdp_parallelism=2), (4, 2)),
+        (MeshConfig(ici_fsdp_parallelism=-1), (1, 8, 1, 1)),
+        (MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=-1), (2, 4, 1, 1)),
+        (MeshConfig(ici_data_parallelism=-1, ici_fsdp_parallelism=2), (4, 2, 1, 1)),
+        (MeshConfig(dcn_data_parallelism=2, ici_data_parallelism=2, ici_fsdp_parallelism=2), (4, 2, 1, 1)),
+        (MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=-1), (1, 2, 4, 1)),
+        (MeshConfig(ici_fsdp_parallelism=-1, dcn_context_parallelism=2, ici_tensor_parallelism=2), (1, 2, 2, 2)),
     ],
 )
 def test_mesh_shape_fills_in_minus_one(mesh_cfg, expected):
@@ -34,7 +36,7 @@ def test_mesh_shape_fills_in_minus_one(mesh_cfg, expected):
 @pytest.mark.parametrize(
     "mesh_cfg, pattern",
     [
-        (MeshConfig(ici_data_parallelism=3, ici_fsdp_parallelism=2), r"3 \* 2 = 6, but there are 8 devices"),
+        (MeshConfig(ici_data_parallelism=3, ici_fsdp_parallelism=2), r"ici_data_parallelism \* ici_fsdp_parallelism = 3 \* 2 = 6, but there are 8 devices"),
         (MeshConfig(ici_data_parallelism=3, ici_fsdp_parallelism=-1), r"multiply to 3.*8 devices"),
         (MeshConfig(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), r"At most one mesh axis may be -1"),
     ],
@@ -153,7 +155,7 @@ def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsh
         abstract, state_sh = state_shardings(model, optimizer, 64, mesh)
         restored, _, verified = checkpoint.restore(manager, abstract)
         assert verified
-        assert restored.params["layers"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == dict(zip(("data", "fsdp"), mesh.devices.shape))
+        assert restored.params["layers"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == dict(zip(sharding.MESH_AXES, mesh.devices.shape))
         for a, b in zip(saved, jax.tree.leaves(restored)):
             np.testing.assert_array_equal(a, np.asarray(b))
         _, continued[name] = train_steps(mesh, restored, state_sh, [2, 3])

@@ -1,0 +1,164 @@
+"""Parameters-only checkpoints: what `from-hf` writes and `load_parameters_path` reads.
+
+A folder holding `params/<leaf path>/` (one small orbax checkpoint per array of the params
+tree, our layout, e.g. `params/layers.mlp.gate.kernel`) and `params.json` (the leaves and the
+model keys the arrays imply, ARCHITECTURE_KEYS and LAYOUT_KEYS). The JSON is written last, so a
+folder without it is an unfinished conversion.
+
+`load_parameters_path` (MaxText's key) starts a run from these parameters with a fresh optimizer
+at step 0; the run's model keys must match the recorded ones, checked before anything compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from nvfp4_jax.config import ConfigError, ModelConfig
+from nvfp4_jax.convert.hf import (
+    ARCHITECTURE_KEYS, LAYOUT_KEYS, ConvertError, model_key_differences,
+)
+
+FORMAT = "nvfp4_jax.params/1"
+META_FILE = "params.json"
+ARRAYS_DIR = "params"
+
+
+def is_params_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META_FILE))
+
+
+def _leaf_dir(out_dir: str, path: tuple[str, ...]) -> str:
+    return os.path.abspath(os.path.join(out_dir, ARRAYS_DIR, ".".join(path)))
+
+
+def write_leaf(out_dir: str, path: tuple[str, ...], array: np.ndarray) -> None:
+    """Saves one params leaf as its own orbax checkpoint, so that a conversion holds one leaf at
+    a time (orbax keeps every array of a save in flight, encoded, until the save ends)."""
+    import orbax.checkpoint as ocp
+
+    # Orbax also copies numpy arrays before writing them unless told not to.
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ckptr:
+        ckptr.save(_leaf_dir(out_dir, path), args=ocp.args.PyTreeSave({"value": array}))
+
+
+def write_meta(out_dir: str, m: ModelConfig, source: str, leaves) -> None:
+    """`params.json`, written after every leaf: its presence means the conversion finished."""
+    meta = {"format": FORMAT, "source": source, "leaves": [".".join(p) for p in leaves],
+            "model": {k: getattr(m, k) for k in ARCHITECTURE_KEYS + LAYOUT_KEYS}}
+    with open(os.path.join(out_dir, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """`params.json` of a params checkpoint; ConvertError (one line) for anything else."""
+    if not os.path.isdir(path):
+        raise ConvertError(f"{path!r} does not exist or is not a directory.")
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise ConvertError(f"{path!r} has no {META_FILE}: it is not a parameters checkpoint written "
+                           "by `python -m nvfp4_jax.convert from-hf` (or the conversion did not finish).")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConvertError(f"{meta_path!r} cannot be read as JSON ({exc}).") from None
+    if (not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("model"), dict)
+            or not isinstance(meta.get("leaves"), list)):
+        raise ConvertError(f"{meta_path!r} is not a {FORMAT} record.")
+    if not os.path.isdir(os.path.join(path, ARRAYS_DIR)):
+        raise ConvertError(f"{path!r} has {META_FILE} but no {ARRAYS_DIR}/ folder of arrays.")
+    return meta
+
+
+def check_load_path(path: str, m: ModelConfig) -> None:
+    """ConfigError (one line) when `load_parameters_path=path` cannot start a run of `m`."""
+    if not path:
+        return
+    try:
+        meta = read_meta(path)
+    except ConvertError as exc:
+        raise ConfigError(f"load_parameters_path={path!r}: {exc}") from None
+    diffs = model_key_differences(meta["model"], m)
+    if diffs:
+        listing = ", ".join(f"{k}={old!r} (this run: {new!r})" for k, old, new in diffs)
+        fix = " ".join(f"{k}={str(old).lower() if isinstance(old, bool) else old}" for k, old, _ in diffs)
+        raise ConfigError(f"load_parameters_path={path!r} holds parameters of another model: {listing}; "
+                          f"run with {fix}.")
+
+
+def _leaves(tree) -> list[tuple[tuple[str, ...], Any]]:
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf in flat]
+
+
+def _nest(items) -> dict:
+    tree: dict = {}
+    for path, value in items:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _matching_leaves(path: str, abstract_params) -> list[tuple[tuple[str, ...], Any]]:
+    """`abstract_params`' leaves, once checked to be exactly the checkpoint's."""
+    saved = set(read_meta(path)["leaves"])
+    wanted = _leaves(abstract_params)
+    names = {".".join(p) for p, _ in wanted}
+    if names != saved:
+        raise ConvertError(f"{path!r} holds other parameters than this model's (missing "
+                           f"{sorted(names - saved)[:3]}, unexpected {sorted(saved - names)[:3]}).")
+    return wanted
+
+
+def restore(path: str, abstract_params):
+    """The params onto `abstract_params`' shapes, dtypes and shardings, leaf by leaf: each
+    device reads only its own shards."""
+    import orbax.checkpoint as ocp
+
+    wanted = _matching_leaves(path, abstract_params)
+    with ocp.StandardCheckpointer() as ckptr:
+        return _nest((p, ckptr.restore(_leaf_dir(path, p), {"value": a})["value"]) for p, a in wanted)
+
+
+def restore_numpy(path: str) -> dict:
+    """The params tree as host numpy arrays (no device involved)."""
+    import orbax.checkpoint as ocp
+
+    out = []
+    with ocp.PyTreeCheckpointer() as ckptr:
+        for name in read_meta(path)["leaves"]:
+            leaf_path = tuple(name.split("."))
+            args = {"value": ocp.RestoreArgs(restore_type=np.ndarray)}
+            restored = ckptr.restore(_leaf_dir(path, leaf_path), args=ocp.args.PyTreeRestore(restore_args=args))
+            out.append((leaf_path, restored["value"]))
+    return _nest(out)
+
+
+def load_into(path: str, state, state_shardings):
+    """A fresh TrainState with its params replaced by the checkpoint's (`load_parameters_path`).
+
+    The optimizer state is the fresh one: Adam's moments start at zero whatever the params are.
+    """
+    if not path:
+        return state
+    import jax
+
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            state.params, state_shardings.params)
+    try:
+        _matching_leaves(path, abstract)
+    except ConvertError as exc:
+        raise ConfigError(f"load_parameters_path={path!r}: {exc}") from None
+    for leaf in jax.tree.leaves(state.params):  # never two copies of the params on the devices
+        leaf.delete()
+    return state.replace(params=restore(path, abstract))
