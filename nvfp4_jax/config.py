@@ -39,6 +39,8 @@ CONTEXT_PARALLEL_STRATEGIES = ("all_gather", "ulysses")
 DATASET_TYPES = ("shakespeare", "synthetic", "text", "tokens", "grain", "hf")
 TOKENIZER_TYPES = ("bytes", "huggingface", "sentencepiece", "tiktoken")
 PROFILERS = ("", "xplane")
+# Which forward pass evaluates (TrainConfig.eval_quantization).
+EVAL_QUANTIZATIONS = ("train", "bf16", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +176,11 @@ class TrainConfig:
     profiler: str = ""
     profile_start_step: int = 5
     profile_steps: int = 3
+    # --- evaluation modes (issue 17) ---
+    # Which forward pass computes the validation loss: "train" (the training recipe's, BF16 once
+    # quantization_end_step has passed), "bf16" (the same weights with BF16 dots: the model a
+    # user ships), or "both" (eval_loss as "train", plus eval_loss_bf16).
+    eval_quantization: str = "train"
     # --- Checkpoint interop and TensorBoard (MaxText's keys) ---
     # A parameters checkpoint (`python -m nvfp4_jax.convert from-hf`) to start from: its
     # parameters, a fresh optimizer, step 0. Ignored once the run has checkpoints of its own.
@@ -514,6 +521,8 @@ def validate(cfg: Config) -> None:
     _check(t.gradient_clipping_threshold >= 0, "gradient_clipping_threshold",
            t.gradient_clipping_threshold, "must be >= 0 (0 disables clipping)")
     _check(t.profiler in PROFILERS, "profiler", t.profiler, f"choose one of {list(PROFILERS)}")
+    _check(t.eval_quantization in EVAL_QUANTIZATIONS, "eval_quantization", t.eval_quantization,
+           f"choose one of {list(EVAL_QUANTIZATIONS)}")
     _check(t.profile_start_step >= 0, "profile_start_step", t.profile_start_step, "must be >= 0")
     for key in ("ici_data_parallelism", "ici_fsdp_parallelism", "dcn_data_parallelism",
                 "ici_context_parallelism", "dcn_context_parallelism", "ici_tensor_parallelism"):

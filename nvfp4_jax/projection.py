@@ -31,6 +31,10 @@ from nvfp4_jax.config import ModelConfig
 # every memory-bound term on every device.
 GEMM_EFFICIENCY = 580.0 / 989.0
 BANDWIDTH_EFFICIENCY = 3.9 / 4.8
+# The decisive assumption, unmeasured here (no Blackwell GPU): that FP4 GEMMs reach the BF16
+# GEMM's efficiency. The band printed beside each projection takes FP4 GEMMs from about 3/4 to
+# 6/5 of it; on NVIDIA's four published rows that moves the projected speedups by -15%..+5%.
+FP4_GEMM_EFFICIENCY_BOUNDS = (0.45, 0.70)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +77,27 @@ class StepEstimate:
     recipe: str
     seconds: float
     terms: Mapping[str, float]
+    # FP4 recipes: seconds at the FP4 GEMM efficiency bounds (slowest, fastest); None otherwise.
+    band: tuple[float, float] | None = None
 
 
-def _rate(device: Device, fmt: str) -> float:
-    tflops = {"bf16": device.bf16, "fp8": device.fp8, "fp4": device.fp4 or device.bf16}[fmt]
+def _rate(device: Device, fmt: str, fp4_efficiency: float = GEMM_EFFICIENCY) -> float:
+    if fmt == "fp4" and device.fp4:
+        return device.fp4 * 1e12 * fp4_efficiency
+    tflops = {"bf16": device.bf16, "fp8": device.fp8, "fp4": device.bf16}[fmt]
     return tflops * 1e12 * GEMM_EFFICIENCY
 
 
 def project(
     cfg: ModelConfig, device: Device, *, per_device_batch: int, seq_len: int, num_devices: int,
+    fp4_gemm_efficiency: float | None = None,
 ) -> dict[str, StepEstimate]:
-    """Projected step time of each recipe in RECIPES for `cfg` on `device` under FSDP."""
+    """Projected step time of each recipe in RECIPES for `cfg` on `device` under FSDP.
+
+    `fp4_gemm_efficiency` (default GEMM_EFFICIENCY) is the fraction of the FP4 peak that FP4
+    GEMMs reach. At the default, each FP4 recipe's estimate carries its `band`: its seconds at
+    FP4_GEMM_EFFICIENCY_BOUNDS (on a GPU without FP4 tensor cores the band is a point)."""
+    fp4_eff = GEMM_EFFICIENCY if fp4_gemm_efficiency is None else fp4_gemm_efficiency
     T = per_device_batch * seq_len  # tokens per device
     D, F, K, V = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.head_dim, cfg.vocab_size
     H, G, N = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.base_num_decoder_layers
@@ -108,7 +122,7 @@ def project(
     out = {}
     for recipe in RECIPES:
         fmt = _MLP_FORMAT[recipe]
-        terms = dict(shared, **{"MLP GEMMs": mlp / _rate(device, fmt), "quantization": 0.0})
+        terms = dict(shared, **{"MLP GEMMs": mlp / _rate(device, fmt, fp4_eff), "quantization": 0.0})
         if fmt != "bf16":
             # Per layer: gate, up (X: T x D each) and down (X: T x F); dY of gate/up T x F, of
             # down T x D; weights D x F. Two copies of X and dY, one of W (FP8: two).
@@ -123,6 +137,12 @@ def project(
         compute = sum(terms.values())
         terms["exposed collectives"] = max(0.0, comm_bytes / (device.nvlink * 1e12) - compute)
         out[recipe] = StepEstimate(recipe, sum(terms.values()), terms)
+    if fp4_gemm_efficiency is None:
+        low, high = (project(cfg, device, per_device_batch=per_device_batch, seq_len=seq_len,
+                             num_devices=num_devices, fp4_gemm_efficiency=e) for e in FP4_GEMM_EFFICIENCY_BOUNDS)
+        for recipe in RECIPES:
+            if _MLP_FORMAT[recipe] == "fp4":
+                out[recipe] = dataclasses.replace(out[recipe], band=(low[recipe].seconds, high[recipe].seconds))
     return out
 
 
@@ -132,8 +152,13 @@ def format_projection(cfg: ModelConfig, device: Device, estimates: Mapping[str, 
              f"  {'recipe':<14}{'step s':>9}  " + "  ".join(f"{n:>12.12}" for n in names)]
     for e in estimates.values():
         lines.append(f"  {e.recipe:<14}{e.seconds:>9.4f}  " + "  ".join(f"{e.terms[n]:>12.4f}" for n in names))
-    speedup = estimates["fp8"].seconds / estimates["nvfp4"].seconds
-    lines.append(f"  projected NVFP4 (te_nvfp4) over FP8 speedup: {speedup:.2f}x"
+    fp8, nvfp4 = estimates["fp8"].seconds, estimates["nvfp4"]
+    band = ""
+    if nvfp4.band and device.fp4:
+        lo, hi = FP4_GEMM_EFFICIENCY_BOUNDS
+        band = (f" (range {fp8 / nvfp4.band[0]:.2f}x-{fp8 / nvfp4.band[1]:.2f}x for FP4 GEMM efficiency "
+                f"{lo:.2f}-{hi:.2f}, the assumption it depends on most)")
+    lines.append(f"  projected NVFP4 (te_nvfp4) over FP8 speedup: {fp8 / nvfp4.seconds:.2f}x{band}"
                  + ("" if device.fp4 else " (no FP4 tensor cores: NVFP4 runs emulated at the BF16 rate)"))
     lines.append(f"  assumptions: GEMM efficiency {GEMM_EFFICIENCY:.2f}, bandwidth efficiency "
                  f"{BANDWIDTH_EFFICIENCY:.2f} (measured on H200); FSDP collectives overlapped; see docs/backends.md")

@@ -2,7 +2,11 @@
 
     arms.py     arm specs (`name:key=value,...`), the default arms, an arm's config
     runs.py     one (arm, seed) run: train, resume or read back its run directory
-    stats.py    mean, std, Welch and paired t-tests (no scipy)
+    stats.py    t-tests, t and bootstrap intervals, Holm, sign test, TOST (numpy, no scipy)
+    analysis.py the metrics (train-loss tail, both validation losses, tokens to target) and the
+                comparisons worded from the corrected statistics
+    provenance.py  commit, dirty flag, package versions, device
+    check.py    --check (re-run one run, bit for bit) and --analyze (recompute statistics)
     report.py   the summary over seeds, results.json, summary.md
     plots.py    loss curves, gaps to the reference, quantization-health heat maps (matplotlib)
     study.py    run_study: every arm over every seed, then the report

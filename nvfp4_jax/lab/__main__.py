@@ -2,54 +2,92 @@
 
 Trains every arm for `steps` steps over N seeds and writes results.json, summary.md and PNGs to
 DIR. Running the same command again reads finished runs back and resumes interrupted ones.
+SIGTERM/SIGINT stops the study like a run (the current run saves, no further one starts, the
+results so far are written) with exit status 75; rerunning resumes it.
+
+`--check results.json [--run NAME]` re-runs one recorded run and reports whether it reproduces
+bit for bit (exit 0) or not (exit 1). `--analyze results.json [--stats_out FILE]` recomputes the
+statistics of an existing study with this code.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from nvfp4_jax.config import ConfigError
 from nvfp4_jax.lab.arms import DEFAULT_ARMS, parse_arms
+
+EXIT_OK, EXIT_NOT_REPRODUCED, EXIT_USER, EXIT_STOPPED = 0, 1, 2, 75
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m nvfp4_jax.lab",
         description="Convergence lab: train each arm over several seeds on the same data, compare "
-                    "their validation losses to the reference arm, plot the curves and the "
-                    "quantization health. Rerunning resumes.",
+                    "them with the reference arm (training-loss tail, validation through the recipe "
+                    "and through BF16, tokens to a target loss) with confidence intervals and "
+                    "corrected p-values, plot the curves and the quantization health. Rerunning resumes.",
     )
     p.add_argument("config", nargs="*", help="base config: [config.yml] [key=value ...] (as nvfp4_jax.train)")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM",
-                   help="arms as name or name:key=value,key=value (default: the paper's nine comparisons)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per arm, counting up from the config's seed (default 3)")
+                   help="arms as name or name:key=value,key=value (default: the paper's comparisons)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per arm, counting up from the config's seed (default 5)")
     p.add_argument("--out", default="runs/lab", help="results folder (default runs/lab)")
     p.add_argument("--runs_dir", default=None, help="where the run directories go (default OUT/runs)")
     p.add_argument("--reference", default="bf16", help="the arm gaps are measured against (default bf16)")
     p.add_argument("--curve_window", type=int, default=10, help="steps per point of the stored loss curves (default 10)")
+    p.add_argument("--extend", type=float, default=1.0,
+                   help="also train every non-reference arm this many times longer, for tokens-to-target "
+                        "only (default 1: no extra runs; e.g. 1.5)")
+    p.add_argument("--margin", type=float, default=1.0,
+                   help="equivalence margin of the TOST test, percent of the compared-with arm (default 1)")
     p.add_argument("--no_plots", action="store_true", help="write results.json and summary.md only")
+    p.add_argument("--check", metavar="RESULTS_JSON", help="re-run one run of that study and compare bit for bit")
+    p.add_argument("--run", default=None, help="with --check: which run (ARM-seedN; default the first finished)")
+    p.add_argument("--analyze", metavar="RESULTS_JSON", help="recompute that study's statistics with this code")
+    p.add_argument("--stats_out", default=None,
+                   help="with --analyze: where to write them (default statistics.json beside RESULTS_JSON)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from nvfp4_jax.data import DataError
-    from nvfp4_jax.lab.runs import LabError
-    from nvfp4_jax.lab.study import run_study
+    from nvfp4_jax.lab.runs import LabError, StudyStopped
     from nvfp4_jax.train.run_dir import RunLockedError
 
     try:
+        if args.check and args.analyze:
+            raise LabError("--check and --analyze: choose one.")
+        if args.check:
+            from nvfp4_jax.lab.check import check
+
+            return EXIT_OK if check(args.check, which=args.run) else EXIT_NOT_REPRODUCED
+        if args.analyze:
+            from nvfp4_jax.lab.check import reanalyze
+
+            if not args.margin > 0:
+                raise LabError(f"--margin {args.margin}: must be > 0 (percent).")
+            out = args.stats_out or os.path.join(os.path.dirname(args.analyze) or ".", "statistics.json")
+            reanalyze(args.analyze, out, margin_percent=args.margin)
+            print(f"[lab] wrote {out}")
+            return EXIT_OK
+        from nvfp4_jax.lab.study import run_study
+
         run_study(
             args.config, parse_arms(args.arms), seeds=args.seeds, out_dir=args.out,
             runs_dir=args.runs_dir, reference=args.reference, make_plots=not args.no_plots,
-            curve_window=args.curve_window,
+            curve_window=args.curve_window, extend=args.extend, margin_percent=args.margin,
         )
+    except StudyStopped:
+        return EXIT_STOPPED
     except (ConfigError, DataError, LabError, RunLockedError) as exc:
         # RunLockedError: another lab (or training run) is training one of these runs now.
-        print(f"lab error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USER
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ DEFAULT_ARMS = (
     "te_nvfp4_bf16_tail:quantization=te_nvfp4,quantization_end_step=80%",
 )
 LAB_KEYS = ("seed", "run_name", "base_output_directory")
+# Defaults the lab applies under the base config (which may override them): evaluate every run
+# through its recipe's forward pass and through BF16 (issue 17).
+LAB_DEFAULTS: Mapping[str, Any] = {"eval_quantization": "both"}
 # Keys whose value may be a percentage of `steps`.
 STEP_KEYS = ("quantization_end_step",)
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -96,13 +99,23 @@ def _resolve_percentages(overrides: dict[str, str], steps: int, arm: Arm) -> dic
     return out
 
 
-def arm_config(base: Sequence[Mapping[str, Any]], arm: Arm, seed: int, runs_dir: str) -> Config:
-    """The validated config of `arm` with `seed`: base layers, then the arm's keys, then the
-    lab's (seed, run_name `<arm>-seed<seed>`, base_output_directory `runs_dir`)."""
+def arm_config(base: Sequence[Mapping[str, Any]], arm: Arm, seed: int, runs_dir: str, *,
+               extend: float = 1.0) -> Config:
+    """The validated config of `arm` with `seed`: the lab's defaults (`LAB_DEFAULTS`), base
+    layers, the arm's keys, then the lab's own (seed, run_name `<arm>-seed<seed>`,
+    base_output_directory `runs_dir`).
+
+    `extend` > 1 is the arm's longer run for tokens-to-target (`<arm>-x<extend>-seed<seed>`):
+    `extend` times the steps, percentages of steps taken of the study's steps (a BF16 tail
+    still starts where the study's run switches)."""
     overrides = dict(arm.overrides)
     if "quantization" not in overrides and arm.name in QUANTIZATION_FLAGS:
         overrides["quantization"] = arm.name
+    layers = [LAB_DEFAULTS, *base]
     plain = {k: v for k, v in overrides.items() if not str(v).endswith("%")}
-    steps = make_config(*base, plain).train.steps
-    lab = {"seed": seed, "run_name": f"{arm.name}-seed{seed}", "base_output_directory": runs_dir}
-    return make_config(*base, _resolve_percentages(overrides, steps, arm), lab)
+    steps = make_config(*layers, plain).train.steps
+    name = f"{arm.name}-seed{seed}" if extend == 1.0 else f"{arm.name}-x{extend:g}-seed{seed}"
+    lab = {"seed": seed, "run_name": name, "base_output_directory": runs_dir}
+    if extend != 1.0:
+        lab["steps"] = round(steps * extend)
+    return make_config(*layers, _resolve_percentages(overrides, steps, arm), lab)

@@ -25,7 +25,16 @@ class LabError(RuntimeError):
     """A study that cannot go on as asked (e.g. a run directory holding another config)."""
 
 
-def _differences(saved: dict, cfg: Config) -> list[str]:
+class StudyStopped(Exception):
+    """SIGTERM/SIGINT stopped the study: the current run saved, no further run started, the
+    results so far are written. Rerunning the same command resumes it."""
+
+    def __init__(self, signal_name: str, results: dict):
+        super().__init__(f"stopped by {signal_name}")
+        self.signal_name, self.results = signal_name, results
+
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
     """`section.key: saved -> wanted` for every key (location aside) where `saved` differs from
     `cfg`; a saved config the current code cannot read is one difference. The saved config is
     read through the current defaults first, so a key added since compares as its default."""
@@ -38,14 +47,20 @@ def _differences(saved: dict, cfg: Config) -> list[str]:
 
 
 def metric_series(run_dir: str) -> dict[str, dict[int, Any]]:
-    """{"loss": {step: train loss}, "eval_loss": {step: loss}, "quant_stats": {step: stats}} of a
-    run directory; a step logged twice keeps its last record."""
+    """{"loss": {step: train loss}, "eval_loss": {step: loss}, "eval_loss_bf16": {step: loss},
+    "quant_stats": {step: stats}} of a run directory; a step logged twice keeps its last record."""
     records = run_dir_lib.read_metrics(run_dir)
-    return {key: dict(run_dir_lib.iter_steps(records, key)) for key in ("loss", "eval_loss", "quant_stats")}
+    return {key: dict(run_dir_lib.iter_steps(records, key))
+            for key in ("loss", "eval_loss", "eval_loss_bf16", "quant_stats")}
 
 
 def is_finished(run_dir: str, cfg: Config) -> bool:
-    return run_dir_lib.is_finished(run_dir, cfg.train.steps)
+    """Finished (run_dir.is_finished) and evaluated the way this config asks: a run from before
+    the evaluation modes has no BF16 evaluation, so a lab asking for one completes it."""
+    if not run_dir_lib.is_finished(run_dir, cfg.train.steps):
+        return False
+    return cfg.train.eval_quantization == "train" or (run_dir_lib.read_summary(run_dir) or {}).get(
+        "final_eval_loss_bf16") is not None
 
 
 def check_reusable(run_dir: str, cfg: Config) -> None:
@@ -53,7 +68,7 @@ def check_reusable(run_dir: str, cfg: Config) -> None:
     saved = run_dir_lib.read_config(run_dir)
     if saved is None:
         return
-    diffs = _differences(saved, cfg)
+    diffs = config_changes(saved, cfg)
     if diffs:
         raise LabError(
             f"{run_dir} holds a run of another config ({'; '.join(diffs)}): remove that directory "
@@ -63,14 +78,18 @@ def check_reusable(run_dir: str, cfg: Config) -> None:
 
 def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:
     """Makes sure the run of `cfg` in `run_dir` is finished: "reused" when it already was,
-    "resumed" when an interrupted run was continued, "trained" when it started from nothing."""
+    "resumed" when an interrupted run was continued (a run without its final evaluation is
+    unfinished: it is completed), "trained" when it started from nothing, "stopped: <signal>" when a
+    SIGTERM/SIGINT stopped it at a checkpoint (rerunning resumes it)."""
     check_reusable(run_dir, cfg)
     if is_finished(run_dir, cfg):
         return "reused"
     started = run_dir_lib.read_config(run_dir) is not None
     from nvfp4_jax.train.loop import run  # jax is imported only when something trains
 
-    run(cfg, progress=False, devices=devices)
+    summary = run(cfg, progress=False, devices=devices)
+    if summary.get("stopped_by"):
+        return f"stopped: {summary['stopped_by']}"
     return "resumed" if started else "trained"
 
 
@@ -86,7 +105,8 @@ def _windowed(losses: dict[int, float], window: int) -> list[list[float]]:
 
 def read_run(run_dir: str, *, curve_window: int = 10) -> dict[str, Any]:
     """What a study keeps of a finished run: the train-loss curve (means over windows of
-    `curve_window` steps), the eval losses, the final validation loss, tokens/s, and the
+    `curve_window` steps), the eval losses (recipe and BF16 forward), the final validation
+    losses, tokens/s, and the
     quantization statistics of the last evaluation that measured them."""
     summary = run_dir_lib.read_summary(run_dir) or {}
     metrics = metric_series(run_dir)
@@ -95,7 +115,9 @@ def read_run(run_dir: str, *, curve_window: int = 10) -> dict[str, Any]:
     return {
         "loss_curve": _windowed(metrics["loss"], curve_window),
         "eval_losses": [[s, metrics["eval_loss"][s]] for s in sorted(metrics["eval_loss"])],
+        "eval_losses_bf16": [[s, metrics["eval_loss_bf16"][s]] for s in sorted(metrics["eval_loss_bf16"])],
         "final_eval_loss": summary.get("final_eval_loss"),
+        "final_eval_loss_bf16": summary.get("final_eval_loss_bf16"),
         "tokens_per_second_per_device": summary.get("median_tokens_per_second_per_device"),
         "median_step_seconds": summary.get("median_step_seconds"),
         "quant_stats_step": last,

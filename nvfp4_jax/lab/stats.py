@@ -1,5 +1,6 @@
-"""The few statistics a study needs, in plain Python (no scipy): mean, standard deviation,
-Welch's and the paired t-test with two-sided p-values from Student's t distribution."""
+"""The statistics a study needs, without scipy: mean, standard deviation, Welch's and the paired
+t-test (two-sided p-values from Student's t), t and bootstrap confidence intervals, Holm's
+correction, the sign test and the TOST equivalence test."""
 
 from __future__ import annotations
 
@@ -98,3 +99,112 @@ def paired(a: Sequence[float], b: Sequence[float]) -> TTest:
         return TTest(math.copysign(math.inf, mean(d)), len(d) - 1, 0.0) if mean(d) else _UNDEFINED
     t = mean(d) / (sd / math.sqrt(len(d)))
     return TTest(t, len(d) - 1, t_two_sided_p(t, len(d) - 1))
+
+
+# --- intervals, multiple comparisons, equivalence (issue 17) ------------------------------------
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The `q` quantile of Student's t with `df` degrees of freedom (0 < q < 1), by bisection
+    on the two-sided tail, which is monotone in |t|."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"quantile {q} must lie in (0, 1)")
+    if q == 0.5:
+        return 0.0
+    tail = 2.0 * min(q, 1.0 - q)  # P(|T| >= t*) for the t* we want
+    lo, hi = 0.0, 1.0
+    while t_two_sided_p(hi, df) > tail:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_two_sided_p(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-13 * max(1.0, hi):
+            break
+    t = 0.5 * (lo + hi)
+    return t if q > 0.5 else -t
+
+
+def t_interval(d: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The t confidence interval of the mean of `d` (per-seed differences); None below 2 values."""
+    if len(d) < 2:
+        return None
+    m, s = mean(d), std(d)
+    half = t_quantile(0.5 + level / 2.0, len(d) - 1) * s / math.sqrt(len(d))
+    return (m - half, m + half)
+
+
+def bootstrap_interval(d: Sequence[float], level: float = 0.95, *, resamples: int = 10_000,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of the mean of `d`, resampling seeds with replacement.
+
+    With 3-5 seeds it is narrower than the t interval (it cannot see tails it has not sampled);
+    both are reported so that a reader sees how much the choice matters. A fixed generator seed
+    makes it a pure function of `d`."""
+    if len(d) < 2:
+        return None
+    import numpy as np
+
+    x = np.asarray(d, np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
+    means = x[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [0.5 - level / 2.0, 0.5 + level / 2.0])
+    return (float(lo), float(hi))
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm-Bonferroni adjusted p-values (step-down, monotone, capped at 1); None stays None and
+    does not count as a test."""
+    present = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    m = len(present)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(present):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def sign_test(d: Sequence[float]) -> float | None:
+    """Exact two-sided sign test of `d` against 0 (ties dropped): how likely as many same-sign
+    differences are under a fair coin. Three of three is p = 0.25."""
+    pos, neg = sum(x > 0 for x in d), sum(x < 0 for x in d)
+    n = pos + neg
+    if n == 0:
+        return None
+    k = min(pos, neg)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """TOST: the mean difference lies within (-margin, +margin) when p (the larger of the two
+    one-sided p-values) is below alpha."""
+
+    margin: float
+    p_lower: float | None
+    p_upper: float | None
+    p: float | None
+
+
+def tost(d: Sequence[float], margin: float) -> Equivalence:
+    """Two one-sided t-tests of the per-seed differences `d` against -margin and +margin."""
+    if margin <= 0:
+        raise ValueError(f"margin={margin}: must be > 0")
+    if len(d) < 2:
+        return Equivalence(margin, None, None, None)
+    m, se, df = mean(d), std(d) / math.sqrt(len(d)), len(d) - 1
+    if se == 0.0:
+        inside = -margin < m < margin
+        return Equivalence(margin, 0.0 if inside else 1.0, 0.0 if inside else 1.0, 0.0 if inside else 1.0)
+
+    def upper_tail(t: float) -> float:  # P(T >= t)
+        half = 0.5 * t_two_sided_p(t, df)
+        return half if t >= 0 else 1.0 - half
+
+    p_lower = upper_tail((m + margin) / se)  # H0: mean <= -margin
+    p_upper = upper_tail((margin - m) / se)  # H0: mean >= +margin
+    return Equivalence(margin, p_lower, p_upper, max(p_lower, p_upper))

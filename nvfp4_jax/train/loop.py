@@ -129,6 +129,7 @@ class _Segment:
         self.history: list[dict[str, Any]] = []
         self.eval_batches: list = []  # the same held-out batches every time: loaded once
         self.writer = None
+        self.last_eval: dict[str, Any] = {}
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -233,23 +234,53 @@ class _Segment:
             self.console.info(metrics_lib.maxtext_line(record))
 
     def _evaluate(self, step: int, *, log: bool = True) -> float:
+        """The validation loss of the state after `step`, through the forward pass the run trains
+        with at this point (`eval_loss`; BF16 once the tail has begun) and/or through BF16 with
+        the same weights (`eval_loss_bf16`), as `eval_quantization` asks. Returns the first.
+        `log=False`: the file already holds this evaluation."""
         if not self.eval_batches:
             count, shortfall = self.eval_data.eval_limit(self.cfg.train.eval_steps)
             if shortfall:
                 self.console.warn(f"warning: {shortfall}")
             self.eval_batches.extend(self._put(self.eval_data, i) for i in range(count))
-        losses = [self.eval_step(self.state, batch) for batch in self.eval_batches]
-        value = float(np.mean(jax.device_get(losses)))
+
+        def loss_of(eval_step) -> float:
+            return float(np.mean(jax.device_get([eval_step(self.state, b) for b in self.eval_batches])))
+
+        mode = self.cfg.train.eval_quantization
+        trains_quantized = self.quantizes_anything and self._quantizes(step)
+        record: dict[str, Any] = {"step": step}
+        if mode in ("train", "both"):
+            record["eval_loss"] = loss_of(self.eval_step if trains_quantized else self._bf16_eval())
+        if mode in ("bf16", "both"):
+            # A run that is not quantizing now has one forward pass: evaluate it once.
+            record["eval_loss_bf16"] = (record["eval_loss"] if "eval_loss" in record and not trains_quantized
+                                        else loss_of(self._bf16_eval()))
+        value = record.get("eval_loss", record.get("eval_loss_bf16"))
         perplexity = math.exp(min(value, 700))
+        record["eval_perplexity"] = perplexity
         if self.writer and log:
-            self.writer.write({"step": step, "eval_loss": value, "eval_perplexity": perplexity})
-        self.console.info(f"eval at step {step}: loss: {value:.3f}, perplexity: {perplexity:.3f}")
+            self.writer.write(record)
+        extra = f", bf16 forward: {record['eval_loss_bf16']:.3f}" if mode == "both" else ""
+        self.console.info(f"eval at step {step}{' (bf16 forward)' if mode == 'bf16' else ''}: "
+                          f"loss: {value:.3f}, perplexity: {perplexity:.3f}{extra}")
         # Measured while the run still quantizes (the BF16 tail has nothing to measure).
         if self.stats_step is not None and self._quantizes(step):
             stats = health.flatten(jax.device_get(self.stats_step(self.state, self.eval_batches[0])))
             if self.writer and log:
                 self.writer.write({"step": step, "quant_stats": stats})
+        self.last_eval = record
         return value
+
+    def _bf16_eval(self):
+        """The eval step of the same parameters with BF16 dots, compiled on first use (a BF16 run
+        evaluates with its only model)."""
+        if not self.quantizes_anything:
+            return self.eval_step
+        if self.eval_step_bf16 is None:
+            self.eval_step_bf16 = jit_eval_step(build_model(self.cfg.model, quantized=False), self.mesh,
+                                                self.state_sh)
+        return self.eval_step_bf16
 
     def _quantizes(self, step: int) -> bool:
         """Whether the step after `step` runs the quantized GEMMs (not yet the BF16 tail)."""
@@ -316,6 +347,11 @@ class _Segment:
             else None
         )
         self.eval_step = jit_eval_step(model, self.mesh, state_sh)
+        # Decided once: whether a BF16 evaluation differs from this model's (nothing quantized:
+        # the model is its own BF16 evaluation). Its eval step is compiled on first use.
+        self.state_sh = state_sh
+        self.quantizes_anything = m.quantization not in ("", "bf16") or m.attention_quantization == "fp8"
+        self.eval_step_bf16 = None
         self.stats_step = (jit_quant_stats_step(m, self.mesh, state_sh, backend=self.backend)
                            if t.quant_stats else None)
         self.throughput = metrics_lib.Throughput(
@@ -372,7 +408,7 @@ class _Segment:
                 # during that evaluation: it evaluates (every process, the same bits) and logs
                 # the loss unless the file already has it.
                 final_eval = self._evaluate(reached, log=reached > self.start or not (
-                    self.writer and self.writer.has(reached, "eval_loss")))
+                    self.writer and self.writer.has(reached, "eval_perplexity")))
             else:
                 saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"
                 self.console.info(f"Stopped by {stopped_by} after step {reached} ({saved}); run the same "
@@ -392,6 +428,8 @@ class _Segment:
         records = run_dir_lib.read_metrics(self.run_dir) if self.console.is_lead else self.history
         train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
         evals = sorted(run_dir_lib.iter_steps(records, "eval_loss"))
+        evals_bf16 = sorted(run_dir_lib.iter_steps(records, "eval_loss_bf16"))
+        final_bf16 = self.last_eval.get("eval_loss_bf16") if final_eval is not None else None
         steady = [r["tokens_per_device"] for r in self.history[1:]] or [r["tokens_per_device"] for r in self.history]
         summary = {
             "run_directory": os.path.abspath(self.run_dir),
@@ -403,11 +441,15 @@ class _Segment:
             "quantization": self.cfg.model.quantization or "bf16",
             "first_train_loss": train[0]["loss"] if train else None,
             "final_train_loss": train[-1]["loss"] if train else None,
+            "eval_quantization": self.cfg.train.eval_quantization,
+            # Through the forward pass eval_quantization names ("bf16": the BF16 one).
             "final_eval_loss": final_eval,
+            "final_eval_loss_bf16": final_bf16,
             "median_tokens_per_second_per_device": statistics.median(steady) if steady else None,
             "median_step_seconds": (statistics.median([r["seconds"] for r in self.history[1:]])
                                     if len(self.history) > 1 else None),
             "eval_losses": evals,
+            "eval_losses_bf16": evals_bf16,
             "last_checkpoint_step": self.last_good[0] if self.last_good else None,
         }
         if self.console.is_lead:

@@ -35,6 +35,8 @@ RESUME_MUTABLE_KEYS = (
     "context_parallel_strategy",
     "remat_policy", "num_vocab_tiling",
     "quantization_backend",
+    # Which forward pass evaluates (issue 17): never what trains.
+    "eval_quantization",
     # Where a fresh run's parameters came from (a resume restores its own checkpoint), and
     # whether metrics also go to TensorBoard.
     "load_parameters_path", "enable_tensorboard",

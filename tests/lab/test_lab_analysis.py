@@ -1,0 +1,105 @@
+"""The lab's metrics on synthetic curves with known answers: the training-loss tail, tokens to a
+target loss and its ratio to NVFP4, the comparisons with their Holm correction and verdicts."""
+
+import math
+
+import pytest
+
+from nvfp4_jax.lab import analysis, stats
+
+
+def _curve(fn, steps, window=10):
+    return [[s, fn(s)] for s in range(window, steps + 1, window)]
+
+
+def test_tail_mean_averages_the_last_tenth_of_the_steps():
+    curve = _curve(lambda s: float(s), 600)
+    # Points after step 540: 550..600 -> mean 575.
+    assert analysis.tail_mean(curve, 600) == pytest.approx(575.0)
+    assert analysis.tail_mean(curve, 600, fraction=0.5) == pytest.approx(sum(range(310, 601, 10)) / 30)
+    assert analysis.tail_mean([], 600) is None
+
+
+def test_steps_to_target_interpolates_the_crossing_of_a_known_curve():
+    # loss = 3 - s / 100 reaches 1.255 at s = 174.5 exactly (between the points 170 and 180).
+    curve = _curve(lambda s: 3.0 - s / 100.0, 300)
+    assert analysis.steps_to_target(curve, 1.255) == pytest.approx(174.5)
+    assert analysis.steps_to_target(curve, 3.5) == 10.0  # already below at the first point
+    assert analysis.steps_to_target(curve, -1.0) is None
+    # A trailing mean over 50 steps of a line lags it by 20 steps (mean of s-40..s): 194.5.
+    assert analysis.steps_to_target(curve, 1.255, span=50) == pytest.approx(194.5)
+
+
+def test_a_single_lucky_window_does_not_reach_the_target_once_smoothed():
+    curve = _curve(lambda s: 2.0, 200)
+    curve[5][1] = 0.5  # one noisy window
+    assert analysis.steps_to_target(curve, 1.5) == pytest.approx(50 + 10 * 0.5 / 1.5)  # interpolated
+    assert analysis.steps_to_target(curve, 1.5, span=100) is None
+
+
+def _runs(arm, losses_by_seed, fn_by_seed=None, steps=600, **extra):
+    out = []
+    for seed, loss in losses_by_seed.items():
+        fn = fn_by_seed[seed] if fn_by_seed else (lambda s: 2.0)
+        out.append({"arm": arm, "seed": seed, "status": "trained", "final_eval_loss": loss,
+                    "loss_curve": _curve(fn, steps), **extra})
+    return out
+
+
+def test_tokens_to_target_and_the_ratio_to_nvfp4_on_curves_with_known_answers():
+    # Linear losses 10 - s / (100 k): BF16 (k = 1) averages 10 - 5.75 = 4.25 over its last 10%
+    # (points 550..600). Smoothed over 60 steps (six points s-50..s) a line lags by 25 steps,
+    # so an arm of slope 1/(100 k) reaches 4.25 at 100 k * 5.75 + 25: NVFP4 (k = 1.1) at 657.5,
+    # MXFP4 (k = 1.32) at 784, both past the 600 steps: only their extended runs get there.
+    def arm(name, k, steps):
+        fn = lambda s, k=k: 10.0 - s / (100.0 * k)
+        return _runs(name, {0: 1.0, 1: 1.0}, {0: fn, 1: fn}, steps=steps, extended=steps > 600)
+    runs = arm("bf16", 1.0, 600) + arm("te_nvfp4", 1.1, 600) + arm("te_nvfp4", 1.1, 900) \
+        + arm("mxfp4", 1.32, 600) + arm("mxfp4", 1.32, 900)
+    out = analysis.analyze(runs, ["bf16", "te_nvfp4", "mxfp4"], "bf16", 600, tokens_per_step=1000)
+    ttt = out["tokens_to_target"]
+    assert ttt["targets"][0] == pytest.approx(4.25)
+    assert ttt["arms"]["te_nvfp4"]["steps"][0] == pytest.approx(657.5)
+    assert ttt["arms"]["mxfp4"]["steps"][0] == pytest.approx(784.0)
+    assert ttt["arms"]["mxfp4"]["ratio_mean"] == pytest.approx(784.0 / 657.5)
+    assert ttt["arms"]["mxfp4"]["tokens"][0] == pytest.approx(784_000.0)
+    assert ttt["arms"]["mxfp4"]["not_reached_seeds"] == []
+    # BF16 reaches its own tail mean 25 steps after the middle of its tail window.
+    assert ttt["arms"]["bf16"]["steps"][0] == pytest.approx(600.0)
+    # The extended runs feed tokens-to-target only: gaps come from the 600-step runs.
+    tail = {(c["arm"], c["against"]): c for c in out["comparisons"] if c["metric"] == "train_tail"}
+    gap = tail[("te_nvfp4", "bf16")]["gap"]
+    assert gap == pytest.approx(analysis.tail_mean(_curve(lambda s: 10 - s / 110.0, 600), 600) - 4.25)
+
+
+def test_comparisons_holm_and_verdicts_follow_the_corrected_numbers():
+    base = {0: 2.00, 1: 2.10, 2: 1.95, 3: 2.05, 4: 2.02}
+    runs = _runs("bf16", base)
+    # A clear +5% gap; an arm within 0.05%: equivalent at +-1%; a noisy one: not resolved.
+    runs += _runs("te_nvfp4", {s: v * 1.05 for s, v in base.items()})
+    runs += _runs("te_fp8_delayedscaling", {s: v + (0.001 if s % 2 else -0.001) for s, v in base.items()})
+    runs += _runs("mxfp4", {s: v + d for (s, v), d in zip(base.items(), (0.06, -0.05, 0.07, -0.04, 0.0))})
+    out = analysis.analyze(runs, ["bf16", "te_fp8_delayedscaling", "te_nvfp4", "mxfp4"], "bf16", 600)
+    evals = {(c["arm"], c["against"]): c for c in out["comparisons"] if c["metric"] == "final_eval"}
+    # bf16 x 3 arms, NVFP4 vs FP8, MXFP4 vs NVFP4.
+    assert set(evals) == {("te_fp8_delayedscaling", "bf16"), ("te_nvfp4", "bf16"), ("mxfp4", "bf16"),
+                          ("te_nvfp4", "te_fp8_delayedscaling"), ("mxfp4", "te_nvfp4")}
+    assert all(c["holm_count"] == 5 for c in evals.values())
+    assert stats.holm([c["p"] for c in evals.values()]) == [c["p_holm"] for c in evals.values()]
+    assert evals[("te_nvfp4", "bf16")]["verdict"].startswith("higher")
+    assert evals[("te_fp8_delayedscaling", "bf16")]["verdict"].startswith("equivalent within ±1%")
+    assert evals[("mxfp4", "bf16")]["verdict"] == "not resolved at this scale"
+    nv = evals[("te_nvfp4", "bf16")]
+    assert nv["gap_percent"] == pytest.approx(5.0)
+    assert nv["ci_t"][0] < nv["gap"] < nv["ci_t"][1]
+    # The noise floor: RMS of the per-seed differences' sd over the comparisons to bf16.
+    sds = [evals[(a, "bf16")]["sd"] for a in ("te_fp8_delayedscaling", "te_nvfp4", "mxfp4")]
+    assert out["noise_floor"]["final_eval"] == pytest.approx(math.sqrt(sum(s * s for s in sds) / 3))
+
+
+def test_gap_by_quarter_and_ranking_by_seed():
+    ours = {0: _curve(lambda s: 2.0 + (0.02 if s > 300 else 0.0), 400)}
+    theirs = {0: _curve(lambda s: 2.0, 400)}
+    assert analysis.gap_by_segment(ours, theirs, 400) == pytest.approx([0.0, 0.0, 0.0, 1.0])
+    per = {"a": {0: {"final_eval": 2.0}, 1: {"final_eval": 1.0}}, "b": {0: {"final_eval": 1.5}, 1: {"final_eval": 3.0}}}
+    assert analysis.ranking_by_seed(per, "final_eval") == {0: [["b", 1.5], ["a", 2.0]], 1: [["a", 1.0], ["b", 3.0]]}
