@@ -54,3 +54,10 @@ def test_a_site_that_crashes_mid_round_does_not_corrupt_the_global_model(tmp_pat
     model = np.load(tmp_path / "federated" / "global_model.npz")
     assert all(np.isfinite(model[k]).all() for k in model.files)
     assert np.isfinite(last["validation_loss"]) and last["validation_loss"] < result["rounds"][0]["validation_loss"]
+
+
+def test_tensor_streaming_and_disk_offloaded_aggregation(tmp_path):
+    out, result = _run(tmp_path, "--sites", "2", "--rounds", "1", "--budget", "equal",
+                       "--stream-tensors", "--disk-offload")
+    assert [r["round"] for r in result["rounds"]] == [0, 1]
+    assert result["rounds"][1]["validation_loss"] < result["rounds"][0]["validation_loss"]
