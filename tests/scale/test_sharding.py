@@ -138,9 +138,9 @@ def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsh
     state, sh8 = init_state(model, optimizer, 64, mesh8, seed=0)
     state, _ = train_steps(mesh8, state, sh8, [0, 1])
     # A trained state, not an initial one: a step count, moments and amax histories all moved.
-    kernel = state.params["layers"]["mlp"]["gate"]["kernel"]  # [layers, D, F], D over fsdp
+    kernel = state.params["layers"]["mlp"]["gate"]["kernel"]  # [layers, D, F], D over fsdp (x context)
     assert int(state.step) == 2 and len(kernel.sharding.device_set) == 8
-    assert tuple(kernel.sharding.spec)[:2] == (None, "fsdp")
+    assert tuple(kernel.sharding.spec)[:2] == (None, ("fsdp", "context"))  # embed over fsdp x context (size 1 here)
     adam = state.opt_state[1][0]
     assert all(float(jnp.abs(m).max()) > 0 for m in jax.tree.leaves((adam.mu, adam.nu)))
     histories = [l for p, l in jax.tree_util.tree_flatten_with_path(state.fp8_meta)[0] if "history" in jax.tree_util.keystr(p)]

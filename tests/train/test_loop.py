@@ -379,16 +379,17 @@ SMALL_PRESETS = [p for p in sorted(glob.glob(os.path.join(REPO, "recipes", "conf
 @pytest.mark.parametrize("path", SMALL_PRESETS, ids=os.path.basename)
 def test_small_recipe_yamls_train_one_step(tmp_path, path):
     # A smoke run: the preset builds, steps, evaluates and checkpoints (a second step adds
-    # nothing). One step from init leaves the loss near ln(vocab) (5.55 for bytes; measured:
-    # tiny 6.18 at step 1; tiny 5.96, small-25m 6.00 at init, bf16): far above it means a
-    # broken init or loss, below it a model that has seen its targets (one step learns little).
+    # nothing). The first step's loss (at init) is near ln(vocab) (5.55 for bytes; measured:
+    # tiny 6.18, small-25m 6.00): far above it means a broken init or loss. One update then
+    # moves the held-out loss down but not to a model that has seen its targets (measured after
+    # one step: small-25m 4.46; bytes of English text carry about 2 nats of unigram information).
     cfg = load_config([path, "steps=1", "eval_steps=1", f"base_output_directory={tmp_path}", "run_name=yaml",
                        "ici_fsdp_parallelism=1", "checkpoint_period=1"])
     summary = run(cfg, progress=False, devices=ONE_DEVICE)
     assert summary["last_checkpoint_step"] == 1
     uniform = np.log(cfg.model.vocab_size)
-    for name in ("first_train_loss", "final_eval_loss"):
-        assert uniform - 0.5 < summary[name] < uniform + 1.0, (name, summary[name], uniform)
+    assert uniform - 0.5 < summary["first_train_loss"] < uniform + 1.0, (summary["first_train_loss"], uniform)
+    assert uniform - 2.0 < summary["final_eval_loss"] < summary["first_train_loss"] + 0.1, summary
 
 
 def _cli(tmp_path, *args, **env):
