@@ -52,13 +52,6 @@ def _take(x, n):
     return jax.lax.dynamic_index_in_dim(x, n, axis=1, keepdims=False)
 
 
-def _varying_like(ref: jax.Array, x: jax.Array) -> jax.Array:
-    """`x` with `ref`'s varying manual axes: inside a `shard_map` (Ulysses) a loop carry built from
-    constants must vary over the same axes as the blocks it accumulates."""
-    vma = tuple(getattr(jax.typeof(ref), "vma", ()) or ())
-    return jax.lax.pcast(x, vma, to="varying") if vma else x
-
-
 def _forward(q_BxNxCxGxRxK, k_BxNxCxGxK, v_BxNxCxGxK, seg_BxNxC):
     B, N, C, G, R, K = q_BxNxCxGxRxK.shape
     scale = np.sqrt(K).astype(np.float32)
@@ -80,11 +73,12 @@ def _forward(q_BxNxCxGxRxK, k_BxNxCxGxK, v_BxNxCxGxK, seg_BxNxC):
                                       preferred_element_type=jnp.float32)
             return acc_BxGxRxCxK * correction[..., None] + pv_BxGxRxCxK, m_new, l_new
 
-        init = tuple(_varying_like(q_i, x) for x in (
-            jnp.zeros((B, G, R, C, K), jnp.float32),
-            jnp.full((B, G, R, C), _MASKED, jnp.float32),
-            jnp.zeros((B, G, R, C), jnp.float32)))
-        acc, m, l = jax.lax.fori_loop(0, i + 1, key_block, init)  # j <= i: the causal blocks only
+        init = (jnp.zeros((B, G, R, C, K), jnp.float32),
+                jnp.full((B, G, R, C), _MASKED, jnp.float32),
+                jnp.zeros((B, G, R, C), jnp.float32))
+        # j <= i: the causal blocks only. Block 0 runs before the loop, so the loop's carry is
+        # typed like the blocks it accumulates (inside Ulysses' shard_map: varying over the mesh).
+        acc, m, l = jax.lax.fori_loop(1, i + 1, key_block, key_block(0, init))
         out_BxCxGxRxK = jnp.einsum("bgrck->bcgrk", acc / l[..., None]).astype(q_i.dtype)
         return out_BxCxGxRxK, m + jnp.log(l)
 
@@ -128,7 +122,7 @@ def _blocked_bwd(residuals, dout_BxNxCxGxRxK):
             return dq_BxCxGxRxK + jnp.einsum("bgrcd,bdgk->bcgrk", ds.astype(k_j.dtype), k_j,
                                              preferred_element_type=jnp.float32)
 
-        dq = jax.lax.fori_loop(0, i + 1, step, _varying_like(q_BxNxCxGxRxK, jnp.zeros((B, C, G, R, K), jnp.float32)))
+        dq = jax.lax.fori_loop(1, i + 1, step, step(0, jnp.zeros((B, C, G, R, K), jnp.float32)))
         return (dq / scale).astype(q_BxNxCxGxRxK.dtype)
 
     def dkv_block(j):
@@ -142,8 +136,8 @@ def _blocked_bwd(residuals, dout_BxNxCxGxRxK):
                             preferred_element_type=jnp.float32)
             return dk_BxCxGxK + dk, dv_BxCxGxK + dv
 
-        zeros = _varying_like(k_BxNxCxGxK, jnp.zeros((B, C, G, K), jnp.float32))
-        dk, dv = jax.lax.fori_loop(j, N, step, (zeros, zeros))  # i >= j: the causal blocks only
+        zeros = jnp.zeros((B, C, G, K), jnp.float32)
+        dk, dv = jax.lax.fori_loop(j + 1, N, step, step(j, (zeros, zeros)))  # i >= j: the causal blocks only
         return (dk / scale).astype(k_BxNxCxGxK.dtype), dv.astype(v_BxNxCxGxK.dtype)
 
     dq_NxBxCxGxRxK = jax.lax.map(dq_block, jnp.arange(N))

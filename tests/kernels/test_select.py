@@ -106,6 +106,7 @@ def test_backward_hands_dy_to_operand_pair_once():
     assert_same_bits(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["te_nvfp4", "nvfp4_1d_weights"])
 def test_quantized_gemm_with_kernel_operands_has_the_emulated_bits(recipe):
     # Forward and both gradients, with every operand (X, 2D or 1x16 W, dY's fused pair, X^T

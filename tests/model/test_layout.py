@@ -102,6 +102,7 @@ def _drawn_keys(scan_layers: str, step_key) -> dict[tuple[int, str], tuple[int, 
     return keys
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_keys_are_per_layer_per_projection_per_step_and_layout_free():
     step1, step2 = jax.random.PRNGKey(10), jax.random.PRNGKey(11)
     scanned = _drawn_keys("true", step1)
@@ -121,6 +122,7 @@ def _loss_and_grads(cfg):
     return loss, grads, meta_next
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_scanned_and_unrolled_give_bitwise_the_same_loss_and_gradients_in_fp32(recipe):
     common = (f"quantization={recipe}", "dtype=float32", "bf16_last_layers=1")
@@ -192,6 +194,7 @@ def _saved_names(policy: str) -> list[str]:
     return [line.split("named '")[1].split("'")[0] for line in out.getvalue().splitlines() if "named '" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, names", [
     ("full", set()),
     ("save_dot_except_mlp", {"query_proj", "key_proj", "value_proj", "out_proj"}),

@@ -203,6 +203,7 @@ class _Block(nn.Module):
         return jnp.tanh(y).astype(jnp.bfloat16), None
 
 
+@pytest.mark.slow
 def test_statistics_of_scanned_layers_come_out_stacked_and_match_the_unrolled_layers():
     """Under nn.scan the collection gets a leading layer axis (variable_axes={"quant_stats": 0});
     each slice must be that layer's statistics."""

@@ -259,6 +259,7 @@ def test_flax_module_delegates_to_te_and_casts_its_output(fake_te, preferred, wa
         mod.apply(variables, x, w, DIMS, rngs=quant_rngs(key))
 
 
+@pytest.mark.slow
 def test_init_train_and_eval_run_under_tes_mesh_resource(fake_te):
     """build.py enters TE's MeshResource around init, the train step and the eval step, and init
     provides TE's rng stream: the fake TE asserts both, as real TE does."""

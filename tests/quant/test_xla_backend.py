@@ -184,6 +184,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, lhs_shape, rhs_shape", CASES)
 def test_outputs_and_gradients_match_the_emulated_backend(flag, lhs_shape, rhs_shape):
     x, w = _data(lhs_shape, 1), _data(rhs_shape, 2, jnp.float32, 0.05)

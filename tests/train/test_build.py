@@ -73,6 +73,7 @@ def test_bf16_flag_is_bit_identical_to_plain_lax_dot_general(params):
         assert _quantized_dot_calls(built, params) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["te_nvfp4", "te_fp8_delayedscaling", "mxfp4"])
 def test_the_mlp_gets_the_recipe_and_attention_stays_bf16(params, flag):
     # Attention in BF16: no attention projection may reach a quantized dot.
@@ -100,6 +101,7 @@ def test_quantized_forward_differs_from_bf16_but_stays_close(params):
     assert 0 < diff < 0.25 * float(jnp.abs(plain).mean())
 
 
+@pytest.mark.slow
 def test_fp8_delayed_state_is_threaded_through_the_train_step():
     cfg = load_config(SMALL + ["quantization=te_fp8_delayedscaling", "steps=10"])
     model = build_model(cfg.model)

@@ -41,6 +41,7 @@ def stats_code_raises(monkeypatch):
         monkeypatch.setattr(health, name, boom)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["te_nvfp4", "mxfp4", "te_fp8_delayedscaling"])
 def test_train_and_eval_steps_never_compute_statistics(flag, stats_code_raises):
     # Traced with every statistics function booby-trapped: the steps contain none of them, with
@@ -57,6 +58,7 @@ def test_train_and_eval_steps_never_compute_statistics(flag, stats_code_raises):
         jax.eval_shape(jit_quant_stats_step(cfg.model, mesh, state_sh), abstract, BATCH)
 
 
+@pytest.mark.slow
 def test_stats_step_measures_each_quantized_projection_and_its_weight():
     cfg = load_config(SMALL + ["quantization=te_nvfp4", "bf16_first_layers=1"])
     model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
@@ -94,6 +96,7 @@ def test_loop_writes_statistics_at_evaluations_while_it_quantizes(tmp_path):
     assert sorted(measured[0]["quant_stats"]) == [f"layers_1/mlp/{p}" for p in ("down", "gate", "up")]
 
 
+@pytest.mark.slow
 def test_scanned_layers_give_each_layer_its_own_statistics():
     """Under scan_layers=true the statistics come back stacked per layer; split by `flatten`, each
     layer's weight statistics are those of the unrolled model (same initial weights)."""
