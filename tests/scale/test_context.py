@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nvfp4_jax import sharding
 from nvfp4_jax.config import ConfigError, MeshConfig, load_config
-from nvfp4_jax.model.attention import causal_attention
+from nvfp4_jax.model.attention import attention_fn, causal_attention
 from nvfp4_jax.model.ulysses import all_gather_attention, kv_repeats, ulysses_attention
 from nvfp4_jax.quant import nvfp4_gemm_operand, quantize_nvfp4
 
@@ -63,6 +63,22 @@ def test_context_parallel_attention_is_single_device_attention(wrapper, mesh_nam
     with sharding.activation_sharding(mesh):
         got = _value_and_grads(lambda q, k, v: wrapper(causal_attention, q, k, v))(q_s, k_s, v_s)
     # Same per-head arithmetic on every device; fp32 sums may run in another order.
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
+    for name, g_ref, g_got in zip(("dQ", "dK", "dV"), ref[1], got[1]):
+        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_ulysses_around_the_chunked_kernel_is_single_device_attention():
+    # The chunked kernel's loops run inside Ulysses' shard_map (their carries must be typed like
+    # the sharded blocks): values and gradients against dot_product on one device.
+    chunked = attention_fn("chunked", 16)
+    mesh = sharding.make_mesh(MESHES["context4xfsdp2"])
+    q, k, v = _qkv(2, 64, 8, 2, 16)
+    ref = _value_and_grads(causal_attention)(q, k, v)
+    spec = NamedSharding(mesh, P(sharding.BATCH_AXES, "context", "tensor", None))
+    q_s, k_s, v_s = (jax.device_put(x, spec) for x in (q, k, v))
+    with sharding.activation_sharding(mesh):
+        got = _value_and_grads(lambda q, k, v: ulysses_attention(chunked, q, k, v))(q_s, k_s, v_s)
     np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
     for name, g_ref, g_got in zip(("dQ", "dK", "dV"), ref[1], got[1]):
         np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
