@@ -45,6 +45,21 @@ def _value_and_grads(attend):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
+def _assert_single_device_attention(mesh_name, attend, B, H, G):
+    """`attend(q, k, v)` on the sharded mesh against dot_product on one device: value and dQ/dK/dV."""
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    q, k, v = _qkv(B, 64, H, G, 16)
+    ref = _value_and_grads(causal_attention)(q, k, v)
+    spec = NamedSharding(mesh, P(sharding.BATCH_AXES, "context", "tensor", None))
+    q_s, k_s, v_s = (jax.device_put(x, spec) for x in (q, k, v))
+    with sharding.activation_sharding(mesh):
+        got = _value_and_grads(attend)(q_s, k_s, v_s)
+    # Same per-head arithmetic on every device; fp32 sums may run in another order.
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
+    for name, g_ref, g_got in zip(("dQ", "dK", "dV"), ref[1], got[1]):
+        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("wrapper, mesh_name, H, G", [
     (ulysses_attention, "context8", 8, 2),  # GQA, 2 KV heads repeated to 8
     (ulysses_attention, "context8", 8, 1),  # MQA, 1 KV head repeated to 8
@@ -55,33 +70,14 @@ def _value_and_grads(attend):
     (all_gather_attention, "context2xtensor2xfsdp2", 8, 2),
 ], ids=lambda p: getattr(p, "__name__", str(p)))
 def test_context_parallel_attention_is_single_device_attention(wrapper, mesh_name, H, G):
-    mesh = sharding.make_mesh(MESHES[mesh_name])
-    q, k, v = _qkv(4, 64, H, G, 16)
-    ref = _value_and_grads(causal_attention)(q, k, v)
-    spec = NamedSharding(mesh, P(sharding.BATCH_AXES, "context", "tensor", None))
-    q_s, k_s, v_s = (jax.device_put(x, spec) for x in (q, k, v))
-    with sharding.activation_sharding(mesh):
-        got = _value_and_grads(lambda q, k, v: wrapper(causal_attention, q, k, v))(q_s, k_s, v_s)
-    # Same per-head arithmetic on every device; fp32 sums may run in another order.
-    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
-    for name, g_ref, g_got in zip(("dQ", "dK", "dV"), ref[1], got[1]):
-        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_single_device_attention(mesh_name, lambda q, k, v: wrapper(causal_attention, q, k, v), 4, H, G)
 
 
 def test_ulysses_around_the_chunked_kernel_is_single_device_attention():
     # The chunked kernel's loops run inside Ulysses' shard_map (their carries must be typed like
-    # the sharded blocks): values and gradients against dot_product on one device.
+    # the sharded blocks).
     chunked = attention_fn("chunked", 16)
-    mesh = sharding.make_mesh(MESHES["context4xfsdp2"])
-    q, k, v = _qkv(2, 64, 8, 2, 16)
-    ref = _value_and_grads(causal_attention)(q, k, v)
-    spec = NamedSharding(mesh, P(sharding.BATCH_AXES, "context", "tensor", None))
-    q_s, k_s, v_s = (jax.device_put(x, spec) for x in (q, k, v))
-    with sharding.activation_sharding(mesh):
-        got = _value_and_grads(lambda q, k, v: ulysses_attention(chunked, q, k, v))(q_s, k_s, v_s)
-    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
-    for name, g_ref, g_got in zip(("dQ", "dK", "dV"), ref[1], got[1]):
-        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_ref), rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_single_device_attention("context4xfsdp2", lambda q, k, v: ulysses_attention(chunked, q, k, v), 2, 8, 2)
 
 
 def test_ulysses_passes_whole_sequence_segment_ids_to_the_kernel():
