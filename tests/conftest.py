@@ -1,6 +1,11 @@
-"""Test-session set-up: CPU only, eight virtual devices for the sharding tests."""
+"""Test-session set-up: CPU only, eight virtual devices for the sharding tests, and one persistent
+compilation cache for the session, shared with the processes the tests start (a cached executable
+computes the same bits; only the first test to build a program pays for its compile)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,3 +13,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="nvfp4-jax-test-compilation-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, _cache_dir, True)

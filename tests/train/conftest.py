@@ -1,5 +1,7 @@
 """Fixtures shared by the tests that run the training command as a process (see _helpers.py)."""
 
+import os
+
 import pytest
 
 import _helpers
@@ -7,8 +9,8 @@ from _helpers import Training, train_losses
 
 
 @pytest.fixture(scope="session", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    _helpers.COMPILATION_CACHE["dir"] = str(tmp_path_factory.mktemp("jax-compilation-cache"))
+def shared_compilation_cache():
+    _helpers.COMPILATION_CACHE["dir"] = os.environ["JAX_COMPILATION_CACHE_DIR"]  # tests/conftest.py
     return _helpers.COMPILATION_CACHE["dir"]
 
 
