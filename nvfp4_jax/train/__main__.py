@@ -10,7 +10,9 @@ Exit codes:
       checkpoint was saved
   4   a checkpoint problem: no intact checkpoint to resume from (all damaged, or the newest
       damaged and checkpoint_fallback=false), or a save that failed (disk full, permission;
-      the message names the previous checkpoint, which is intact)
+      the message names the previous checkpoint, which is intact); also a run-directory file
+      (metrics.jsonl, summary.json, config.json) that could not be written, named with the
+      intact checkpoint to resume from
   75  stopped by SIGTERM or SIGINT after saving a checkpoint; rerun the same command to resume
       (EX_TEMPFAIL: "try again later"). A second signal ends the process at once, by the signal.
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvfp4_jax.data import DataError
     from nvfp4_jax.train.checkpoint import CheckpointError, silence_abandoned_reads
     from nvfp4_jax.train.loop import NonFiniteError, format_summary, run
-    from nvfp4_jax.train.run_dir import RunLockedError
+    from nvfp4_jax.train.run_dir import RunLockedError, WriteError
 
     silence_abandoned_reads()  # a damaged checkpoint's error stays the last line
     try:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc, EXIT_USER, debug)
     except NonFiniteError as exc:
         return _fail(exc, EXIT_NON_FINITE, debug)
-    except CheckpointError as exc:
+    except (CheckpointError, WriteError) as exc:
         return _fail(exc, EXIT_NO_CHECKPOINT, debug)
     import jax
 

@@ -83,8 +83,9 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
 
     `devices` restricts the mesh to a subset of `jax.devices()` (tests compare 1- and 8-way runs).
     Raises ConfigError, data_lib.DataError and run_dir.RunLockedError for what a user can fix
-    (before anything compiles), NonFiniteError, and checkpoint.CheckpointError when no intact
-    checkpoint can be restored.
+    (before anything compiles), NonFiniteError, checkpoint.CheckpointError when no intact
+    checkpoint can be restored or a save fails, and run_dir.WriteError when metrics.jsonl,
+    summary.json or config.json cannot be written (both name the intact checkpoint).
     """
     distributed.maybe_initialize(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -312,7 +313,11 @@ class _Segment:
 
     def run(self) -> dict[str, Any]:
         try:
-            summary = self._run()
+            try:
+                summary = self._run()
+            except run_dir_lib.WriteError as exc:
+                raise run_dir_lib.WriteError(f"{exc}. {self._last_good_text()} Free some space (or fix the "
+                                             "permissions) and rerun the same command to resume.") from exc
         except BaseException:
             # The error is what the user must see: a manager that fails to close after a failed
             # save or restore must not add its own traceback (orbax's event loop) after it.

@@ -16,6 +16,7 @@ reported with its line number). Nothing here imports jax: the lab reads runs wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,6 +32,15 @@ CONFIG, METRICS, SUMMARY, CHECKPOINTS, REJECTED = (
 
 class MetricsError(ValueError):
     """metrics.jsonl holds a line that is not a record, and not only as its last line."""
+
+
+class WriteError(RuntimeError):
+    """A file of the run directory could not be written (disk full, permissions): one line naming
+    the file and the system's reason. What was on disk before stays intact."""
+
+
+def _cannot_write(file: str, exc: OSError) -> WriteError:
+    return WriteError(f"Cannot write {file}: {exc.strerror or exc}")
 
 
 def path(cfg: Config) -> str:
@@ -81,16 +91,25 @@ def _read_json(file: str) -> Any:
 def _write_json(file: str, value: Any) -> None:
     # Written aside and renamed, so a kill leaves the old file or the new one, never half of one.
     tmp = f"{file}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, file)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2)
+        os.replace(tmp, file)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise _cannot_write(file, exc) from exc
 
 
 # --- config.json --------------------------------------------------------------------------------
 
 
 def write_config(run_dir: str, cfg: Config) -> None:
-    save_json(cfg, os.path.join(run_dir, CONFIG))
+    file = os.path.join(run_dir, CONFIG)
+    try:
+        save_json(cfg, file)
+    except OSError as exc:
+        raise _cannot_write(file, exc) from exc
 
 
 def read_config(run_dir: str) -> dict | None:
@@ -203,25 +222,37 @@ class MetricsWriter:
         if scan.bad_lines:
             self.notes.append(f"warning: {_bad_lines_text(file, scan.bad_lines)}; dropped "
                               f"{'them' if len(scan.bad_lines) > 1 else 'it'}.")
-        if self.dropped or scan.torn_last or scan.bad_lines:
-            tmp = f"{file}.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(tmp, file)
+        self.file = file
+        try:
+            if self.dropped or scan.torn_last or scan.bad_lines:
+                tmp = f"{file}.tmp"  # rewritten aside: a failure leaves the old file as it was
+                with open(tmp, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+                os.replace(tmp, file)
+            self._file: TextIO = open(file, "a")
+        except OSError as exc:
+            raise _cannot_write(file, exc) from exc
         self._logged = {(r.get("step"), key) for r in kept for key in r}
-        self._file: TextIO = open(file, "a")
 
     def has(self, step: int, key: str) -> bool:
         """Whether a record of `step` holding `key` is in the file (kept, or written since)."""
         return (step, key) in self._logged
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({**record, "segment": self.segment}) + "\n")
+        """Appends `record` and flushes it; WriteError when the disk refuses it (the line may be
+        cut short: the next segment's reader drops a torn last line)."""
+        try:
+            self._file.write(json.dumps({**record, "segment": self.segment}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise _cannot_write(self.file, exc) from exc
         self._logged.update((record.get("step"), key) for key in record)
-        self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the bytes it could not flush were reported by write()
 
 
 def iter_steps(records: list[dict[str, Any]], key: str) -> Iterator[tuple[int, Any]]:

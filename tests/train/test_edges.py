@@ -141,6 +141,76 @@ def test_a_failed_save_in_a_run_names_the_intact_checkpoint_and_keeps_it(tmp_pat
     assert not os.path.exists(tmp_path / "run" / "run.lock")  # released on the way out
 
 
+class _FullDisk:
+    """A file whose every write is refused like a full disk's."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    flush = write
+
+    def close(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_under_metrics_and_summary_is_one_line_and_keeps_what_was_written(tmp_path, monkeypatch):
+    history = _history(tmp_path)
+    writer = run_dir_lib.MetricsWriter(str(tmp_path), start=3)
+    writer._file.close()
+    writer._file = _FullDisk()
+    with pytest.raises(run_dir_lib.WriteError) as err:
+        writer.write({"step": 4, "loss": 1.0})
+    assert str(err.value) == f"Cannot write {tmp_path / 'metrics.jsonl'}: No space left on device"
+    assert not writer.has(4, "loss")
+    writer.close()  # what it could not flush was reported once, by write
+    assert (tmp_path / "metrics.jsonl").read_text() == history
+
+    run_dir_lib.write_summary(str(tmp_path), {"steps": 3})
+    dump = json.dump
+
+    def full(value, f, **kwargs):
+        f.write("{\"steps\": ")  # half a file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", full)
+    with pytest.raises(run_dir_lib.WriteError, match=r"Cannot write .*summary.json: No space left on device$"):
+        run_dir_lib.write_summary(str(tmp_path), {"steps": 4})
+    monkeypatch.setattr(json, "dump", dump)
+    assert run_dir_lib.read_summary(str(tmp_path)) == {"steps": 3}  # the previous summary, whole
+    assert not os.path.exists(tmp_path / "summary.json.tmp")
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_metrics_mid_run_names_the_intact_checkpoint_and_the_rerun_loses_nothing(
+        tmp_path, monkeypatch):
+    reference = _run(tmp_path / "ref", "steps=4", "checkpoint_period=1")
+    write = run_dir_lib.MetricsWriter.write
+
+    def full_at_step_3(self, record):
+        if record.get("step") == 3:
+            self._file = _FullDisk()
+        return write(self, record)
+
+    monkeypatch.setattr(run_dir_lib.MetricsWriter, "write", full_at_step_3)
+    with pytest.raises(run_dir_lib.WriteError) as err:
+        _run(tmp_path, "steps=4", "checkpoint_period=1")
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith(f"Cannot write {tmp_path / 'run' / 'metrics.jsonl'}: No space left on device. ")
+    assert f"The last good checkpoint is step 2 in {tmp_path / 'run' / 'checkpoints'}" in text
+    assert text.endswith("rerun the same command to resume.")
+    assert _steps(tmp_path) == [1, 2]  # step 3's state, whose record was lost, was not saved
+    assert not os.path.exists(tmp_path / "run" / "run.lock")
+
+    monkeypatch.setattr(run_dir_lib.MetricsWriter, "write", write)
+    resumed = _run(tmp_path, "steps=4", "checkpoint_period=1")
+    assert resumed["resumed_from_step"] == 2
+    losses = dict(run_dir_lib.iter_steps(run_dir_lib.read_metrics(str(tmp_path / "run")), "loss"))
+    expected = dict(run_dir_lib.iter_steps(run_dir_lib.read_metrics(str(tmp_path / "ref" / "run")), "loss"))
+    assert sorted(losses) == [1, 2, 3, 4] and losses == expected  # every step once, the same bits
+    assert resumed["final_eval_loss"] == reference["final_eval_loss"]
+
+
 # --- metrics.jsonl --------------------------------------------------------------------------------
 
 
