@@ -15,7 +15,7 @@ _EXPORTS = {
     "formats": ("E2M1_VALUES", "e2m1_values", "pack_nibbles", "unpack_nibbles"),
     "fp8": ("FP8Tensor", "dequantize_fp8", "quantize_fp8"),
     "hadamard": ("hadamard_matrix", "inverse_random_hadamard_transform", "random_hadamard_transform"),
-    "mxfp4": ("MXFP4Tensor", "dequantize_mxfp4", "quantize_mxfp4"),
+    "mxfp4": ("MXFP4Tensor", "dequantize_mxfp4", "quantize_mxfp4", "quantize_mxfp4_spec"),
     "nvfp4": ("NVFP4Tensor", "BlockCodes", "dequantize", "gemm_operand", "nvfp4_gemm_operand",
               "quantize_blocks", "quantize_nvfp4", "unpack_codes"),
     "spec": ("OperandSpec",),

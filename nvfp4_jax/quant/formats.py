@@ -7,6 +7,7 @@ under `jit`, not a GPU's approximate division or FMA contraction (see docs/numer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -344,6 +345,35 @@ def check_block_axis(shape: tuple[int, ...], axis: int, block: int, fn: str) -> 
             f"{fn}: the block axis (axis={axis}) has length {shape[axis]}; it must be a "
             f"multiple of {block} (x.shape={tuple(shape)})"
         )
+
+
+def check_spec(x: jax.Array, spec, key, block: int, fn: str):
+    """Validate `x` and an `OperandSpec` for a block quantizer with `block`-element blocks (and
+    `block` x `block` tiles); return the spec with its block axis normalized (non-negative; the
+    last axis for 2-D tiles). NVFP4 and MXFP4 accept the same combinations."""
+    check_float(x, fn)
+    for name in ("two_d", "rht", "stochastic"):
+        v = getattr(spec, name)
+        if not isinstance(v, bool):
+            raise ValueError(f"{fn}: {name}={v!r} must be a Python bool (it is static)")
+    if spec.stochastic and key is None:
+        raise ValueError(f"{fn}: stochastic=True requires a PRNG key; got key=None")
+    if spec.two_d:
+        if x.ndim != 2:
+            raise ValueError(
+                f"{fn}: two_d=True takes a 2-D weight; got x of rank {x.ndim} (shape {x.shape})"
+            )
+        if spec.rht:
+            raise ValueError(f"{fn}: rht=True is not allowed with two_d=True (2D is for weights)")
+        if x.shape[0] % block or x.shape[1] % block:
+            raise ValueError(
+                f"{fn}: two_d=True needs both dims to be multiples of {block}; "
+                f"got x.shape={x.shape}"
+            )
+        return dataclasses.replace(spec, axis=1)
+    axis = normalize_axis(spec.axis, x.ndim, fn)
+    check_block_axis(x.shape, axis, block, fn)
+    return dataclasses.replace(spec, axis=axis)
 
 
 class BlockLayout(NamedTuple):

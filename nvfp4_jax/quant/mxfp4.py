@@ -2,6 +2,12 @@
 
 TE `pow_2_scales`, JAX's MX path and torchao's RCEIL mode: scale = 2**clamp(ceil(log2(
 amax_b / 6)), -127, 127), code = e2m1(clip(x / scale, -6, 6)); no per-tensor scale.
+
+The block quantizer also takes the NVFP4 recipe's operand handling (`OperandSpec`), so that a
+recipe can change the format alone: 32x32 tiles of a 2-D weight (one scale per tile, from the
+tile's amax: the quantized W and W^T hold the same numbers), the 16-point Random Hadamard
+Transform along the block axis before the amax (a block of 32 spans two Hadamard groups), and
+the NVFP4 path's hardware-style stochastic rounding (the same noise bytes and rule).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import numpy as np
 
 from . import exact
 from . import formats as F
+from .hadamard import random_hadamard_transform
+from .spec import OperandSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,21 +29,25 @@ class MXFP4Tensor:
     """An MXFP4-quantized tensor (JAX pytree).
 
     codes: uint8, two E2M1 codes per byte along `axis` (element 2i in the low nibble).
-    scales: float8_e8m0fnu, `shape` with `shape[axis]` divided by 32 (NaN when the input
-        was not finite).
+    scales: float8_e8m0fnu; 1x32: `shape` with `shape[axis]` divided by 32; 2D: `(M // 32,
+        N // 32)` (NaN when the input was not finite).
+    shape: the logical (unpacked) shape. axis: the packing/block axis (non-negative; the last
+        axis for 2D). two_d: 32x32 tiles. rht: values are in the rotated domain.
     """
 
     codes: jax.Array
     scales: jax.Array
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
+    two_d: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return dequantize_mxfp4(self, dtype)
 
 
 jax.tree_util.register_dataclass(
-    MXFP4Tensor, data_fields=["codes", "scales"], meta_fields=["shape", "axis"]
+    MXFP4Tensor, data_fields=["codes", "scales"], meta_fields=["shape", "axis", "two_d", "rht"]
 )
 
 
@@ -52,37 +64,66 @@ def _scale_exponent(amax_b_bits: jax.Array) -> jax.Array:
     return jnp.where(amax_b_bits == 0, F.E8M0_MIN_EXP, jnp.clip(e, F.E8M0_MIN_EXP, F.E8M0_MAX_EXP))
 
 
-def quantize_mxfp4(x: jax.Array, *, axis: int = -1) -> MXFP4Tensor:
+def quantize_mxfp4(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    two_d: bool = False,
+    rht: bool = False,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+) -> MXFP4Tensor:
     """Quantize `x` (float32/bfloat16, any rank) to MXFP4 with 32-element blocks along `axis`.
 
+    two_d: 32x32 tiles of a 2-D weight, one scale per tile (axis is ignored; codes packed along
+        the last axis). rht: the 16-point Random Hadamard Transform along `axis` first (the
+        WGRAD copies); the result stays in the rotated domain. stochastic: the NVFP4 path's
+        8-bit stochastic rounding with the PRNG `key` (required), else round to nearest even.
     Non-finite input gives NaN scales everywhere (dequantizes to all NaN).
     """
-    fn = "quantize_mxfp4"
-    F.check_float(x, fn)
-    axis = F.normalize_axis(axis, x.ndim, fn)
-    F.check_block_axis(x.shape, axis, F.MXFP4_BLOCK, fn)
-    lay = F.block_layout(x.shape, axis, F.MXFP4_BLOCK)
+    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    return quantize_mxfp4_spec(x, spec, key, fn="quantize_mxfp4")
+
+
+def quantize_mxfp4_spec(
+    x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quantize_mxfp4_spec"
+) -> MXFP4Tensor:
+    """The MXFP4 block quantizer: `x` quantized as `spec` says (the form the quantized dot and
+    the health statistics call, so that both see one quantization)."""
+    spec = F.check_spec(x, spec, key, F.MXFP4_BLOCK, fn)
+    if spec.rht:
+        x = random_hadamard_transform(x, spec.axis)  # the amax is the rotated tensor's
+    lay = F.block_layout(x.shape, spec.axis, F.MXFP4_BLOCK, spec.two_d)
     xb = x.astype(jnp.float32).reshape(lay.blocked)
 
     amax_b_bits, amax_bits = F.block_amax_bits(xb, lay)
     e = _scale_exponent(amax_b_bits)
     y = jnp.clip(F.mul_pow2(xb, -e), -F.E2M1_MAX, F.E2M1_MAX)  # x / 2**e, exact
-    codes = F.e2m1_rn_codes(y).reshape(x.shape)
+    if spec.stochastic:
+        # The noise of element i is a function of the key and i (row-major) alone, whatever
+        # the layout: the same bytes an NVFP4 operand of this shape draws.
+        rbits = F.stochastic_rounding_bits(key, x.shape).reshape(lay.blocked)
+        codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
+    else:
+        codes = F.e2m1_rn_codes(y)
+    codes = codes.reshape(x.shape)
 
     scales = F.e8m0_from_exponent(e)
     nan = jax.lax.bitcast_convert_type(np.uint8(0xFF), jnp.float8_e8m0fnu)
     scales = jnp.where(F.is_nonfinite_bits(amax_bits), nan, scales)
     return MXFP4Tensor(
-        codes=F.pack_nibbles(codes, axis),
+        codes=F.pack_nibbles(codes, spec.axis),
         scales=scales.reshape(lay.scale_shape),
         shape=tuple(x.shape),
-        axis=axis,
+        axis=spec.axis,
+        two_d=spec.two_d,
+        rht=spec.rht,
     )
 
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype=jnp.float32) -> jax.Array:
-    """e2m1_value(code) * 2**e; NaN where the scale is NaN."""
-    lay = F.block_layout(q.shape, q.axis, F.MXFP4_BLOCK)
+    """e2m1_value(code) * 2**e; NaN where the scale is NaN (in the rotated domain when `q.rht`)."""
+    lay = F.block_layout(q.shape, q.axis, F.MXFP4_BLOCK, q.two_d)
     vals = F.e2m1_values(F.unpack_nibbles(q.codes, q.axis)).reshape(lay.blocked)
     e = F.e8m0_exponent(q.scales).reshape(lay.keepdims)
     x_hat = jnp.where(e > F.E8M0_MAX_EXP, jnp.float32(jnp.nan), F.mul_pow2(vals, jnp.minimum(e, 127)))

@@ -60,29 +60,7 @@ jax.tree_util.register_dataclass(
 def check_operand(x, spec: OperandSpec, key, fn: str) -> OperandSpec:
     """Validate `x` and `spec` for the NVFP4 block quantizer; return the spec with its block
     axis normalized (non-negative; the last axis for 2D tiles)."""
-    F.check_float(x, fn)
-    for name in ("two_d", "rht", "stochastic"):
-        v = getattr(spec, name)
-        if not isinstance(v, bool):
-            raise ValueError(f"{fn}: {name}={v!r} must be a Python bool (it is static)")
-    if spec.stochastic and key is None:
-        raise ValueError(f"{fn}: stochastic=True requires a PRNG key; got key=None")
-    if spec.two_d:
-        if x.ndim != 2:
-            raise ValueError(
-                f"{fn}: two_d=True takes a 2-D weight; got x of rank {x.ndim} (shape {x.shape})"
-            )
-        if spec.rht:
-            raise ValueError(f"{fn}: rht=True is not allowed with two_d=True (2D is for weights)")
-        if x.shape[0] % F.NVFP4_BLOCK or x.shape[1] % F.NVFP4_BLOCK:
-            raise ValueError(
-                f"{fn}: two_d=True needs both dims to be multiples of {F.NVFP4_BLOCK}; "
-                f"got x.shape={x.shape}"
-            )
-        return dataclasses.replace(spec, axis=1)
-    axis = F.normalize_axis(spec.axis, x.ndim, fn)
-    F.check_block_axis(x.shape, axis, F.NVFP4_BLOCK, fn)
-    return dataclasses.replace(spec, axis=axis)
+    return F.check_spec(x, spec, key, F.NVFP4_BLOCK, fn)
 
 
 def _layout(shape, axis, two_d) -> F.BlockLayout:

@@ -22,7 +22,8 @@ class OperandSpec:
 
     role: one of `ROLES` (the statistics are recorded under it).
     axis: the block axis (1x16 or 1x32 blocks along it); None for per-tensor scaling (FP8).
-    two_d: 16x16 tiles of a 2-D weight (axis unused: the codes pack along the last axis).
+    two_d: square tiles of a 2-D weight, 16x16 (NVFP4) or 32x32 (MXFP4) (axis unused: the codes
+        pack along the last axis).
     rht: the 16-point Random Hadamard Transform along `axis` first (the WGRAD copies).
     stochastic: stochastic rounding (needs a key), else round to nearest even.
     """
@@ -41,7 +42,7 @@ class OperandSpec:
     def label(self) -> str:
         """The spec in words, for error messages."""
         if self.two_d:
-            blocks = "16x16 tiles"
+            blocks = "2-D tiles"
         elif self.axis is None:
             blocks = "per-tensor"
         else:
