@@ -63,9 +63,9 @@ _SAVED_PER_TOKEN = {
     "minimal_with_context": lambda D, F, HK, GK: 2 * D + 2 * HK + 2 * GK + 2 * F,
 }
 # Bytes per weight element a quantized dot keeps for its backward pass (emulated recipes):
-# NVFP4 with 16x16 weight tiles keeps its quantized W as bf16 values, FP8 as FP8; the others keep
-# the fp32 weight and requantize it.
-_QUANTIZED_WEIGHT_BYTES = {("nvfp4", True): 2, ("fp8", False): 1}
+# NVFP4 with 16x16 and MXFP4 with 32x32 weight tiles keep their quantized W as bf16 values, FP8
+# as FP8; the others keep the fp32 weight and requantize it.
+_QUANTIZED_WEIGHT_BYTES = {("nvfp4", True): 2, ("mxfp4", True): 2, ("fp8", False): 1}
 
 
 @dataclass(frozen=True)

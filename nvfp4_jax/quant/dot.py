@@ -51,7 +51,7 @@ from jax import lax
 from nvfp4_jax.quant import formats as F
 from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.fp8 import quantize_fp8
-from nvfp4_jax.quant.mxfp4 import quantize_mxfp4
+from nvfp4_jax.quant.mxfp4 import quantize_mxfp4_spec
 from nvfp4_jax.quant.nvfp4 import dequantize, gemm_operand
 from nvfp4_jax.quant.recipe import Recipe, get_recipe, operand_specs, recipe_name
 from nvfp4_jax.quant.spec import OperandSpec
@@ -373,17 +373,14 @@ class NVFP4Quantizers(Quantizers):
     def aux(self, key, meta):
         return key
 
-    def _key(self, spec: OperandSpec, key):
-        return jax.random.fold_in(key, _SR_FOLD[spec.role]) if spec.stochastic else None
-
     def quantize(self, x, spec, key):
-        return self.backend.operand(x, spec, self._key(spec, key))
+        return self.backend.operand(x, spec, _sr_key(spec, key))
 
     def quantize_pair(self, x, first, second, key):
-        return self.backend.operands(x, (first, self._key(first, key)), (second, self._key(second, key)))
+        return self.backend.operands(x, (first, _sr_key(first, key)), (second, _sr_key(second, key)))
 
     def measure(self, x, spec, key):
-        return health.nvfp4_spec_stats(x, spec, self._key(spec, key))
+        return health.nvfp4_spec_stats(x, spec, _sr_key(spec, key))
 
     def gemm(self, a, b, dims, out_dtype):
         return self.backend.gemm(a, b, dims, out_dtype)
@@ -392,13 +389,17 @@ class NVFP4Quantizers(Quantizers):
 @dataclasses.dataclass(frozen=True)
 class MXFP4Quantizers(Quantizers):
     """MXFP4: E2M1 times a power of two, exact in bf16 (outside the far ends of the E8M0
-    range); no per-tensor scale."""
+    range); no per-tensor scale. The spec's 2-D tiles, RHT and SR are honoured as NVFP4's are,
+    with the same per-copy SR keys (`mxfp4_nvfp4_recipe`)."""
 
-    def quantize(self, x, spec, aux):
-        return dequantize(quantize_mxfp4(x, axis=spec.axis), jnp.bfloat16)
+    def aux(self, key, meta):
+        return key
 
-    def measure(self, x, spec, aux):
-        return health.mxfp4_stats(x, axis=spec.axis)
+    def quantize(self, x, spec, key):
+        return dequantize(quantize_mxfp4_spec(x, spec, _sr_key(spec, key)), jnp.bfloat16)
+
+    def measure(self, x, spec, key):
+        return health.mxfp4_spec_stats(x, spec, _sr_key(spec, key))
 
     def gemm(self, a, b, dims, out_dtype):
         return _gemm(a, b, 1.0, dims, out_dtype)
@@ -449,6 +450,12 @@ def _amax(x):
 
 
 _SR_FOLD = {"dy": SR_DGRAD, "dy_wgrad": SR_WGRAD}
+
+
+def _sr_key(spec: OperandSpec, key):
+    """The stochastic-rounding key of one operand: the step's key folded with its dY copy's
+    constant (`sr_keys`); None for an operand that rounds to nearest."""
+    return jax.random.fold_in(key, _SR_FOLD[spec.role]) if spec.stochastic else None
 
 
 def quantizers(recipe: Recipe, backend: NVFP4Backend = None) -> Quantizers:

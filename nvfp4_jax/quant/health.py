@@ -43,7 +43,7 @@ import numpy as np
 from . import formats as F
 from .fp8 import FP8_MAX
 from .hadamard import random_hadamard_transform
-from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from .mxfp4 import dequantize_mxfp4, quantize_mxfp4_spec
 from .nvfp4 import quantize_blocks
 from .recipe import Recipe, operand_specs
 from .spec import OperandSpec
@@ -131,9 +131,20 @@ def nvfp4_spec_stats(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "nv
     }
 
 
-def mxfp4_stats(x: jax.Array, *, axis: int) -> Stats:
-    """The statistics of MXFP4-quantizing `x` along `axis`."""
-    return value_stats(x, dequantize_mxfp4(quantize_mxfp4(x, axis=axis)))
+def mxfp4_stats(x: jax.Array, *, axis: int, two_d: bool = False, rht: bool = False,
+                stochastic: bool = False, key: jax.Array | None = None) -> Stats:
+    """The statistics of MXFP4-quantizing `x` with these arguments (those of `quantize_mxfp4`)."""
+    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    return mxfp4_spec_stats(x, spec, key, fn="mxfp4_stats")
+
+
+def mxfp4_spec_stats(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "mxfp4_spec_stats") -> Stats:
+    """The statistics of MXFP4-quantizing `x` as `spec` says: the same quantizer and key as the
+    GEMM's operand, compared in the rotated domain for an RHT copy (as NVFP4's)."""
+    q = quantize_mxfp4_spec(x, spec, key, fn=fn)
+    if spec.rht:
+        x = random_hadamard_transform(x, q.axis)
+    return value_stats(x, dequantize_mxfp4(q))
 
 
 def fp8_stats(x: jax.Array, data: jax.Array, scale: jax.Array, scale_inv: jax.Array, fmt: str) -> Stats:

@@ -22,6 +22,8 @@ _FORMATS = ("bf16", "nvfp4", "mxfp4", "fp8")
 _FP8_SCALINGS = ("delayed", "current")
 # The element formats fix their block sizes; a field that could take other values would lie.
 _BLOCK_SIZES = {"bf16": None, "nvfp4": 16, "mxfp4": 32, "fp8": None}
+# The block-scaled 4-bit formats: the ones the NVFP4 recipe's 2-D weights, RHT and SR apply to.
+_FP4_FORMATS = ("nvfp4", "mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Recipe:
       It spreads outliers across each 16-block before quantization and cancels inside the GEMM.
     - `sr_gradients`: stochastic rounding of the output gradient dY (both its DGRAD and WGRAD
       copies), which keeps the weight update unbiased. X and W always round to nearest.
+
+      These three are the NVFP4 recipe's operand handling, not properties of the NVFP4 format:
+      MXFP4 takes them too (32x32 weight tiles, the same 16-point RHT, the same SR), so that
+      `mxfp4_nvfp4_recipe` differs from `te_nvfp4` in the format alone.
     - `fp8_scaling`: "delayed" takes each tensor's scale from an amax history of earlier steps
       (state carried by the train step, see `fp8_delayed`); "current" from the tensor itself.
     - `amax_history_len`, `margin`: TE `DelayedScaling` defaults (1024, 0); the scale is
@@ -71,9 +77,11 @@ class Recipe:
                 f"Recipe.block_size={self.block_size!r} with format={self.format!r}; "
                 f"that format requires block_size={want!r}"
             )
-        if self.format != "nvfp4" and (self.two_d_weights or self.rht_wgrad or self.sr_gradients):
+        fp4_options = self.two_d_weights or self.rht_wgrad or self.sr_gradients
+        if self.format not in _FP4_FORMATS and fp4_options:
             raise ValueError(
-                f"two_d_weights/rht_wgrad/sr_gradients are NVFP4 options; format={self.format!r} "
+                f"two_d_weights/rht_wgrad/sr_gradients are FP4 options (nvfp4, mxfp4); "
+                f"format={self.format!r} "
                 f"got two_d_weights={self.two_d_weights}, rht_wgrad={self.rht_wgrad}, "
                 f"sr_gradients={self.sr_gradients}"
             )
@@ -87,7 +95,7 @@ class Recipe:
     @property
     def needs_rng(self) -> bool:
         """True when the GEMM draws random bits (stochastic rounding) and so needs a key."""
-        return self.format == "nvfp4" and self.sr_gradients
+        return self.format in _FP4_FORMATS and self.sr_gradients
 
     @property
     def fp8_delayed(self) -> bool:
@@ -107,6 +115,9 @@ RECIPES: Mapping[str, Recipe] = {
     "nvfp4_no_sr": dataclasses.replace(_NVFP4, sr_gradients=False),
     "nvfp4_1d_weights": dataclasses.replace(_NVFP4, two_d_weights=False),
     "mxfp4": Recipe(format="mxfp4", block_size=32),
+    # MXFP4's format under the NVFP4 recipe's operand handling: only the format differs from
+    # te_nvfp4, so the two arms compare formats (issue 17).
+    "mxfp4_nvfp4_recipe": dataclasses.replace(_NVFP4, format="mxfp4", block_size=32),
 }
 
 
@@ -141,27 +152,22 @@ def operand_specs(recipe: Recipe) -> dict[str, Optional[OperandSpec]]:
     """How `recipe` quantizes each operand of its three GEMMs, by role (`spec.ROLES` order).
 
     None marks an operand the backward does not quantize again: it reuses the forward's
-    quantized tensor (`w_dgrad`: W under 16x16 tiles, or any FP8 W; `x_wgrad`: FP8 X) or the
+    quantized tensor (`w_dgrad`: W under 2-D tiles, or any FP8 W; `x_wgrad`: FP8 X) or the
     DGRAD copy (`dy_wgrad`: FP8 dY). Per-tensor FP8 operands have no block axis (axis None).
+    NVFP4 and MXFP4 share the roles and axes; only the block quantizer behind them differs.
     A BF16 recipe quantizes nothing: {}.
     """
     r = recipe
-    if r.format == "nvfp4":
+    if r.format in _FP4_FORMATS:
         sr = r.sr_gradients
         specs = dict(
             x=OperandSpec("x", axis=1),
             w=OperandSpec("w", axis=0, two_d=r.two_d_weights),
             dy=OperandSpec("dy", axis=1, stochastic=sr),
-            # 16x16 tiles make the quantized W its own transpose: DGRAD reuses it.
+            # 2-D tiles (16x16, 32x32) make the quantized W its own transpose: DGRAD reuses it.
             w_dgrad=None if r.two_d_weights else OperandSpec("w_dgrad", axis=1),
             x_wgrad=OperandSpec("x_wgrad", axis=0, rht=r.rht_wgrad),
             dy_wgrad=OperandSpec("dy_wgrad", axis=0, rht=r.rht_wgrad, stochastic=sr),
-        )
-    elif r.format == "mxfp4":
-        specs = dict(
-            x=OperandSpec("x", axis=1), w=OperandSpec("w", axis=0), dy=OperandSpec("dy", axis=1),
-            w_dgrad=OperandSpec("w_dgrad", axis=1), x_wgrad=OperandSpec("x_wgrad", axis=0),
-            dy_wgrad=OperandSpec("dy_wgrad", axis=0),
         )
     elif r.format == "fp8":
         # Per-tensor scales make every quantized tensor its own transpose.

@@ -47,7 +47,7 @@ def test_auto_takes_xla_only_onto_fp4_tensor_cores(probe, want):
     assert choice.line.startswith(f"quantization backend: {want} (auto: ")
 
 
-@pytest.mark.parametrize("flag", ["te_fp8_delayedscaling", "te_fp8_currentscaling", "mxfp4"])
+@pytest.mark.parametrize("flag", ["te_fp8_delayedscaling", "te_fp8_currentscaling", "mxfp4", "mxfp4_nvfp4_recipe"])
 def test_auto_emulates_what_xla_does_not_cover_without_probing(flag):
     probe = _probe(FUSED)
     choice = choose_backend("auto", flag, probe=probe, check_te=_no_te)
@@ -76,6 +76,9 @@ def test_explicit_xla():
         choose_backend("xla", "te_nvfp4", probe=_probe(ABSENT))
     with pytest.raises(ValueError, match="quantization=te_fp8_delayedscaling is fp8"):
         choose_backend("xla", "te_fp8_delayedscaling", probe=_probe(FUSED))
+    for flag in ("mxfp4", "mxfp4_nvfp4_recipe"):  # NVFP4's recipe does not make it NVFP4
+        with pytest.raises(ValueError, match=f"quantization={flag} is mxfp4: use quantization_backend=auto"):
+            choose_backend("xla", flag, probe=_probe(FUSED))
 
 
 def test_explicit_te_asks_te_and_reports_its_version():

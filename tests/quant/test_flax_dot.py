@@ -118,13 +118,14 @@ def test_layers_get_different_sr_keys():
     assert not np.array_equal(np.asarray(dxa), np.asarray(dxb))
 
 
-def test_apply_without_the_quant_stream_is_a_clear_error(x):
-    model = TwoLayers(dot_general_factory("te_nvfp4"))
+@pytest.mark.parametrize("flag, rn_flag", [("te_nvfp4", "nvfp4_no_sr"), ("mxfp4_nvfp4_recipe", "mxfp4")])
+def test_apply_without_the_quant_stream_is_a_clear_error(x, flag, rn_flag):
+    model = TwoLayers(dot_general_factory(flag))
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(1), x)
-    with pytest.raises(ValueError, match=r"needs the rng stream 'quant'.*rngs=\{'quant': key\}"):
+    with pytest.raises(ValueError, match=rf"QuantDotGeneral\({flag}\).*needs the rng stream 'quant'.*rngs=\{{'quant': key\}}"):
         jax.eval_shape(model.apply, variables, x)
     # Round-to-nearest recipes draw nothing.
-    jax.eval_shape(TwoLayers(dot_general_factory("nvfp4_no_sr")).apply, variables, x)
+    jax.eval_shape(TwoLayers(dot_general_factory(rn_flag)).apply, variables, x)
 
 
 def test_fp8_delayed_state_lives_in_fp8_meta_and_updates_by_gradient(x):

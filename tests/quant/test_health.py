@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from bitwise import assert_same_bits
 
-from nvfp4_jax.quant import health, nvfp4_gemm_operand, quantize_fp8, random_hadamard_transform
+from nvfp4_jax.quant import (
+    dequantize_mxfp4,
+    health,
+    nvfp4_gemm_operand,
+    quantize_fp8,
+    quantize_mxfp4,
+    random_hadamard_transform,
+)
 from nvfp4_jax.quant.dot import make_dot_general, sr_keys
 from nvfp4_jax.quant.flax_dot import QuantDotGeneral, quant_rngs
 from nvfp4_jax.quant.recipe import get_recipe
@@ -120,7 +127,20 @@ def test_mxfp4_statistics():
     assert set(got) == set(health.VALUE_STATS)
 
 
-@pytest.mark.parametrize("flag", ["te_nvfp4", "nvfp4_1d_weights", "mxfp4", "te_fp8_currentscaling"])
+def test_mxfp4_statistics_measure_the_spec_and_key_quantized():
+    """An RHT copy is measured in the rotated domain, an SR copy with its own key's rounding."""
+    stats = jax.jit(health.mxfp4_stats, static_argnames=("axis", "rht", "stochastic"))
+    x = jax.random.normal(jax.random.PRNGKey(4), (64, 32), jnp.float32)
+    assert_same_bits(stats(x, axis=0, rht=True), stats(random_hadamard_transform(x, 0), axis=0))
+    k1, k2 = jax.random.PRNGKey(5), jax.random.PRNGKey(6)
+    sr1 = stats(x, axis=1, stochastic=True, key=k1)
+    assert float(sr1["error"]) != float(stats(x, axis=1, stochastic=True, key=k2)["error"])
+    q = dequantize_mxfp4(quantize_mxfp4(x, axis=1, stochastic=True, key=k1))
+    assert_same_bits(sr1, jax.jit(health.value_stats)(x, q))
+
+
+@pytest.mark.parametrize("flag", ["te_nvfp4", "nvfp4_1d_weights", "mxfp4", "mxfp4_nvfp4_recipe",
+                                  "te_fp8_currentscaling"])
 def test_the_dot_returns_each_operands_statistics_and_leaves_the_gemms_alone(flag):
     recipe = get_recipe(flag)
     x = jax.random.normal(jax.random.PRNGKey(0), (32, 64), jnp.float32).astype(jnp.bfloat16)
@@ -148,22 +168,20 @@ def test_the_dot_returns_each_operands_statistics_and_leaves_the_gemms_alone(fla
 def _reference_stats(recipe, x, w, g, key):
     """Each operand's statistics computed directly, from NVFP4_SPEC.md section 7's table of
     which tensor each GEMM quantizes along which axis (g: the cotangent of the fp32 output)."""
-    if recipe.format == "nvfp4":
+    if recipe.format in ("nvfp4", "mxfp4"):
+        # The NVFP4 recipe's operand handling is the same for both FP4 formats.
+        stats = health.nvfp4_stats if recipe.format == "nvfp4" else health.mxfp4_stats
         k_dgrad, k_wgrad = sr_keys(key) if recipe.sr_gradients else (None, None)
         sr = recipe.sr_gradients
         want = {
-            "x": health.nvfp4_stats(x, axis=1),
-            "w": health.nvfp4_stats(w, axis=0, two_d=recipe.two_d_weights),
-            "dy": health.nvfp4_stats(g, axis=1, stochastic=sr, key=k_dgrad),
-            "x_wgrad": health.nvfp4_stats(x, axis=0, rht=recipe.rht_wgrad),
-            "dy_wgrad": health.nvfp4_stats(g, axis=0, rht=recipe.rht_wgrad, stochastic=sr, key=k_wgrad),
+            "x": stats(x, axis=1),
+            "w": stats(w, axis=0, two_d=recipe.two_d_weights),
+            "dy": stats(g, axis=1, stochastic=sr, key=k_dgrad),
+            "x_wgrad": stats(x, axis=0, rht=recipe.rht_wgrad),
+            "dy_wgrad": stats(g, axis=0, rht=recipe.rht_wgrad, stochastic=sr, key=k_wgrad),
         }
         if not recipe.two_d_weights:
-            want["w_dgrad"] = health.nvfp4_stats(w, axis=1)
-    elif recipe.format == "mxfp4":
-        want = {"x": health.mxfp4_stats(x, axis=1), "w": health.mxfp4_stats(w, axis=0),
-                "dy": health.mxfp4_stats(g, axis=1), "w_dgrad": health.mxfp4_stats(w, axis=1),
-                "x_wgrad": health.mxfp4_stats(x, axis=0), "dy_wgrad": health.mxfp4_stats(g, axis=0)}
+            want["w_dgrad"] = stats(w, axis=1)
     else:
         # Current scaling: scale = 448 / amax (E4M3) or 57344 / amax (E5M2 gradients).
         def fp8(t, fmt):

@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 
-from nvfp4_jax.quant.recipe import RECIPES, Recipe, get_recipe, recipe_name
+from nvfp4_jax.config import QUANTIZATION_FLAGS
+from nvfp4_jax.quant.recipe import RECIPES, Recipe, get_recipe, operand_specs, recipe_name
+from nvfp4_jax.quant.spec import ROLES, OperandSpec
 
 
 @pytest.mark.parametrize(
@@ -15,6 +17,7 @@ from nvfp4_jax.quant.recipe import RECIPES, Recipe, get_recipe, recipe_name
         ("nvfp4_no_sr", "nvfp4", True, True, False),
         ("nvfp4_1d_weights", "nvfp4", False, True, True),
         ("mxfp4", "mxfp4", False, False, False),
+        ("mxfp4_nvfp4_recipe", "mxfp4", True, True, True),
         ("te_fp8_currentscaling", "fp8", False, False, False),
         ("te_fp8_delayedscaling", "fp8", False, False, False),
         ("bf16", "bf16", False, False, False),
@@ -30,6 +33,7 @@ def test_flag_numerics(flag, fmt, two_d, rht, sr):
 def test_block_sizes_and_fp8_defaults():
     assert get_recipe("te_nvfp4").block_size == 16
     assert get_recipe("mxfp4").block_size == 32
+    assert get_recipe("mxfp4_nvfp4_recipe").block_size == 32
     delayed = get_recipe("te_fp8_delayedscaling")
     assert delayed.fp8_delayed and (delayed.amax_history_len, delayed.margin) == (1024, 0)
     assert not get_recipe("te_fp8_currentscaling").fp8_delayed
@@ -63,7 +67,10 @@ def test_unknown_flag_lists_valid_ones():
         (dict(format="nvfp3"), "Recipe.format='nvfp3'"),
         (dict(format="nvfp4", block_size=32), "requires block_size=16"),
         (dict(format="nvfp4"), "requires block_size=16"),
-        (dict(format="fp8", rht_wgrad=True), "NVFP4 options"),
+        (dict(format="fp8", rht_wgrad=True), r"FP4 options \(nvfp4, mxfp4\); format='fp8'"),
+        (dict(format="fp8", sr_gradients=True), r"FP4 options \(nvfp4, mxfp4\); format='fp8'"),
+        (dict(format="bf16", two_d_weights=True), r"FP4 options \(nvfp4, mxfp4\); format='bf16'"),
+        (dict(format="mxfp4", two_d_weights=True), "requires block_size=32"),
         (dict(format="fp8", fp8_scaling="lazy"), "Recipe.fp8_scaling='lazy'"),
         (dict(format="fp8", amax_history_len=0), "amax_history_len=0"),
     ],
@@ -71,3 +78,28 @@ def test_unknown_flag_lists_valid_ones():
 def test_invalid_recipe_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Recipe(**kwargs)
+
+
+def test_mxfp4_nvfp4_recipe_is_te_nvfp4_with_the_mxfp4_format():
+    """Only the format differs: every role, axis, tile, RHT and SR flag is te_nvfp4's."""
+    r = RECIPES["mxfp4_nvfp4_recipe"]
+    assert r == dataclasses.replace(RECIPES["te_nvfp4"], format="mxfp4", block_size=32)
+    assert "mxfp4_nvfp4_recipe" in QUANTIZATION_FLAGS and recipe_name(r) == "mxfp4_nvfp4_recipe"
+    specs = operand_specs(r)
+    assert specs == operand_specs(RECIPES["te_nvfp4"])
+    assert tuple(specs) == ROLES and specs["w_dgrad"] is None and specs["w"].two_d
+    assert {role for role, s in specs.items() if s and s.rht} == {"x_wgrad", "dy_wgrad"}
+    assert {role for role, s in specs.items() if s and s.stochastic} == {"dy", "dy_wgrad"}
+    assert r.needs_rng
+
+
+def test_plain_mxfp4_specs_are_unchanged():
+    """1x32 blocks along each GEMM's contraction axis, W requantized along N, all RN."""
+    assert operand_specs(RECIPES["mxfp4"]) == {
+        "x": OperandSpec("x", axis=1), "w": OperandSpec("w", axis=0), "dy": OperandSpec("dy", axis=1),
+        "w_dgrad": OperandSpec("w_dgrad", axis=1), "x_wgrad": OperandSpec("x_wgrad", axis=0),
+        "dy_wgrad": OperandSpec("dy_wgrad", axis=0),
+    }
+    assert not RECIPES["mxfp4"].needs_rng
+    # An MXFP4 recipe without SR but with the other two needs no key.
+    assert not Recipe(format="mxfp4", block_size=32, two_d_weights=True, rht_wgrad=True).needs_rng

@@ -202,10 +202,11 @@ def test_te_recipe_mapping(fake_te):
     )
 
 
-def test_te_has_no_mxfp4(fake_te):
+@pytest.mark.parametrize("flag", ["mxfp4", "mxfp4_nvfp4_recipe"])
+def test_te_has_no_mxfp4(fake_te, flag):
     fake_te()
-    with pytest.raises(ValueError, match="no Transformer Engine recipe for mxfp4"):
-        te_backend.check_te(get_recipe("mxfp4"))
+    with pytest.raises(ValueError, match=f"no Transformer Engine recipe for {flag} "):
+        te_backend.check_te(get_recipe(flag))
 
 
 def test_te_older_than_2_12_is_a_clear_error(fake_te):
