@@ -214,7 +214,7 @@ def check_fp8_delayed_update():
     return d == 0, dict(accel_vs_cpu=d)
 
 
-GEMM_RECIPES = ("te_nvfp4", "te_nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp4",
+GEMM_RECIPES = ("te_nvfp4", "te_nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp4", "mxfp4_nvfp4_recipe",
                 "te_fp8_currentscaling", "te_fp8_delayedscaling")
 
 

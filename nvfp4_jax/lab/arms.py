@@ -24,6 +24,7 @@ DEFAULT_ARMS = (
     "nvfp4_no_sr",
     "nvfp4_1d_weights",
     "mxfp4",
+    "mxfp4_nvfp4_recipe",
     "te_nvfp4_bf16_ends:quantization=te_nvfp4,bf16_first_layers=1,bf16_last_layers=1",
     "te_nvfp4_bf16_tail:quantization=te_nvfp4,quantization_end_step=80%",
 )

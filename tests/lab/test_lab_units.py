@@ -74,6 +74,7 @@ def test_default_arms_are_the_papers_comparisons(tmp_path):
         "bf16": "bf16", "te_fp8_delayedscaling": "te_fp8_delayedscaling", "te_nvfp4": "te_nvfp4",
         "te_nvfp4_no_rht": "te_nvfp4_no_rht", "nvfp4_no_sr": "nvfp4_no_sr",
         "nvfp4_1d_weights": "nvfp4_1d_weights", "mxfp4": "mxfp4",
+        "mxfp4_nvfp4_recipe": "mxfp4_nvfp4_recipe",
         "te_nvfp4_bf16_ends": "te_nvfp4", "te_nvfp4_bf16_tail": "te_nvfp4",
     }
     ends, tail = configs["te_nvfp4_bf16_ends"], configs["te_nvfp4_bf16_tail"]
