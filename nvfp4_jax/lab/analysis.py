@@ -74,13 +74,17 @@ def run_metrics(run: dict, steps: int) -> dict[str, float | None]:
 
 
 def default_comparisons(arms: Sequence[str], reference: str | None) -> list[tuple[str, str]]:
-    """Every arm against the reference; NVFP4 against FP8; every other 4-bit arm against NVFP4."""
+    """Every arm against the reference; NVFP4 against FP8; every other 4-bit arm against NVFP4;
+    and MXFP4 under the NVFP4 recipe against plain MXFP4 (the recipe's effect on that format,
+    beside its row against NVFP4: the format's effect)."""
     pairs = [(a, reference) for a in arms if reference and a != reference]
     if RECIPE in arms:
         if FP8 in arms:
             pairs.append((RECIPE, FP8))
         pairs += [(a, RECIPE) for a in arms if a not in (RECIPE, FP8, reference)
                   and ("fp4" in a)]
+    if "mxfp4_nvfp4_recipe" in arms and "mxfp4" in arms:
+        pairs.append(("mxfp4_nvfp4_recipe", "mxfp4"))
     return pairs
 
 

@@ -186,3 +186,17 @@ def test_without_matplotlib_plots_are_skipped_with_a_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     files, note = plots.make_plots({"summary": [], "runs": []}, "/nonexistent", "bf16")
     assert files == [] and "pip install 'nvfp4_jax[plot]'" in note
+
+
+def test_default_comparisons_separate_the_format_from_the_recipe():
+    from nvfp4_jax.lab.analysis import default_comparisons
+
+    names = [parse_arm(a).name for a in DEFAULT_ARMS]
+    pairs = default_comparisons(names, "bf16")
+    assert [p for p in pairs if p[1] == "bf16"] == [(a, "bf16") for a in names if a != "bf16"]
+    assert ("te_nvfp4", "te_fp8_delayedscaling") in pairs
+    # The same recipe in two formats (the format's effect) and one format under two recipes.
+    assert ("mxfp4_nvfp4_recipe", "te_nvfp4") in pairs and ("mxfp4", "te_nvfp4") in pairs
+    assert ("mxfp4_nvfp4_recipe", "mxfp4") in pairs
+    assert len(pairs) == len(set(pairs))
+    assert default_comparisons(["bf16", "mxfp4"], "bf16") == [("mxfp4", "bf16")]
