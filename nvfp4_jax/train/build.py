@@ -92,6 +92,20 @@ def describe_attention(model_cfg: ModelConfig) -> str:
     return f"attention: {kernel} ({reason})"
 
 
+def context_attention_warning(model_cfg: ModelConfig, context_ways: int) -> str | None:
+    """A warning when the attention kernel and the context-parallel strategy work against each
+    other: under `all_gather` the chunked kernel's block loops are left to XLA's partitioner,
+    which runs them over the whole sequence on every device (benchmarks/results/context.json:
+    the step time grows with the context ways instead of shrinking). Ulysses shards them."""
+    kernel, _ = select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length)
+    if context_ways > 1 and kernel == "chunked" and model_cfg.context_parallel_strategy == "all_gather":
+        return (f"warning: attention=chunked under context_parallel_strategy=all_gather with "
+                f"ici_context_parallelism={context_ways}: every device computes the whole sequence's "
+                "attention (XLA partitions the block loops that way); context_parallel_strategy=ulysses "
+                "splits it by heads instead.")
+    return None
+
+
 def _top_level_params(model_cfg: ModelConfig) -> set[str]:
     names = {block.name for block in layer_blocks(model_cfg)}
     return names | {"token_embedder", "final_norm", "lm_head"}

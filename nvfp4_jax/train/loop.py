@@ -41,7 +41,7 @@ from nvfp4_jax.quant import health
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, resume, run_dir as run_dir_lib
 from nvfp4_jax.train import shutdown, tensorboard
 from nvfp4_jax.train.build import (
-    build_model, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
+    build_model, context_attention_warning, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
     jit_train_step, quant_kernels_line, quantization_backend, state_shardings,
 )
 from nvfp4_jax.train.optimizer import make_optimizer
@@ -103,6 +103,9 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     }
     console.info(f"data: {datasets['train'].describe()}; {datasets['eval'].describe()}")
     console.info(describe_attention(cfg.model))
+    clash = context_attention_warning(cfg.model, mesh.shape["context"])
+    if clash:
+        console.warn(clash)
     for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
         console.warn(f"warning: {warning}")
     run_dir = run_dir_lib.create(cfg)

@@ -187,3 +187,19 @@ def test_build_model_selects_chunked_for_long_sequences_off_gpu():
     assert describe_attention(long).startswith("attention: chunked (autoselected: no NVIDIA GPU")
     assert build_model(long).attention_kernel == "chunked"
     assert build_model(load_config(["max_target_length=2048"]).model).attention_kernel == "dot_product"
+
+
+def test_chunked_under_all_gather_context_parallelism_is_warned_and_ulysses_is_not():
+    from nvfp4_jax.config import load_config
+    from nvfp4_jax.train.build import context_attention_warning
+
+    def warning(*keys, ways=8):
+        return context_attention_warning(load_config(list(keys)).model, ways)
+
+    text = warning("max_target_length=4096")  # autoselected picks chunked; all_gather is the default
+    assert text.startswith("warning: attention=chunked under context_parallel_strategy=all_gather with "
+                           "ici_context_parallelism=8") and "\n" not in text and "ulysses" in text
+    assert warning("max_target_length=4096", "context_parallel_strategy=ulysses") is None
+    assert warning("max_target_length=4096", ways=1) is None
+    assert warning("max_target_length=2048") is None  # dot_product: partitioned by queries
+    assert warning("attention=chunked", "max_target_length=256", ways=2) is not None
