@@ -13,4 +13,14 @@ for a in "$@"; do
 done
 NVFP4_JAX_EXTRAS=test
 source scripts/setup_env.sh
-exec "$PY" -m pytest -q "${tier[@]}" "${args[@]}"
+# Tests are mostly single-threaded compiles: one pytest-xdist worker per core (by default at most
+# 4: the 8-device tests need memory), work-stealing so the heavy tests spread out.
+# NVFP4_JAX_TEST_WORKERS=0 runs in one process.
+workers="${NVFP4_JAX_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}"
+if [[ ! "$workers" =~ ^[0-9]+$ ]]; then
+  echo "error: NVFP4_JAX_TEST_WORKERS='$workers' must be a whole number (0: no workers)" >&2
+  exit 2
+fi
+parallel=()
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist worksteal)
+exec "$PY" -m pytest -q "${parallel[@]}" "${tier[@]}" "${args[@]}"
