@@ -3,9 +3,13 @@ compilation cache for the session, shared with the processes the tests start (a 
 computes the same bits; only the first test to build a program pays for its compile)."""
 
 import atexit
+import gc
 import os
 import shutil
+import sys
 import tempfile
+
+import pytest
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,3 +23,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     atexit.register(shutil.rmtree, _cache_dir, True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops JAX's in-memory caches after each test module: a test process (or xdist worker)
+    otherwise keeps every executable it compiled, gigabytes by the end of the suite. The
+    persistent cache above still serves a later module that builds the same program."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
