@@ -34,3 +34,16 @@ def _release_compiled_programs():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
     gc.collect()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with slow tests run first, each module's tests kept together and in order.
+    pytest-xdist's work stealing moves queued tests, never a running one, so a heavy test left
+    for the end keeps one worker busy while the other idles; with the heavy modules up front
+    the run ends on short tests that stealing can even out."""
+    modules = {}
+    for item in items:
+        modules.setdefault(item.module.__name__ if item.module else item.nodeid, []).append(item)
+    heavy = {name for name, group in modules.items() if any(i.get_closest_marker("slow") for i in group)}
+    items[:] = [i for name, group in modules.items() if name in heavy for i in group] + \
+               [i for name, group in modules.items() if name not in heavy for i in group]

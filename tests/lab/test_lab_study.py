@@ -86,20 +86,22 @@ def test_a_bad_arm_stops_the_lab_before_anything_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_study_resumes_its_interrupted_run_and_reads_back_the_finished_one(tmp_path):
-    args = TINY + ["steps=4", "checkpoint_period=2", "max_checkpoints_to_keep=2", "eval_interval=2",
+    # Steps, evaluations and statistics as in the command-line test above: its compiled programs
+    # are in the session's compilation cache.
+    args = TINY + ["steps=2", "checkpoint_period=1", "max_checkpoints_to_keep=2", "eval_interval=1",
                    "quant_stats=true"]
     arms = parse_arms(["bf16", "te_nvfp4"])
     kwargs = dict(seeds=1, out_dir=str(tmp_path), make_plots=False, curve_window=10, devices=ONE_DEVICE)
     first = run_study(args, arms, **kwargs, log=lambda _: None)
     assert [r["status"] for r in first["runs"]] == ["trained", "trained"]
 
-    # As if the lab had been killed in te_nvfp4 after its step-2 checkpoint, mid-way through a line.
+    # As if the lab had been killed in te_nvfp4 after its step-1 checkpoint, mid-way through a line.
     killed = tmp_path / "runs" / "te_nvfp4-seed0"
     os.remove(killed / "summary.json")
-    shutil.rmtree(killed / "checkpoints" / "4")
+    shutil.rmtree(killed / "checkpoints" / "2")
     lines = (killed / "metrics.jsonl").read_text().splitlines()
-    kept = [l for l in lines if json.loads(l)["step"] <= 2]
-    (killed / "metrics.jsonl").write_text("\n".join(kept) + '\n{"step": 3, "los')
+    kept = [l for l in lines if json.loads(l)["step"] <= 1]
+    (killed / "metrics.jsonl").write_text("\n".join(kept) + '\n{"step": 2, "los')
     finished = tmp_path / "runs" / "bf16-seed0" / "metrics.jsonl"
     before = (finished.stat().st_mtime_ns, finished.read_bytes())
 
@@ -108,7 +110,7 @@ def test_a_killed_study_resumes_its_interrupted_run_and_reads_back_the_finished_
     assert [r["status"] for r in second["runs"]] == ["reused", "resumed"]
     assert (finished.stat().st_mtime_ns, finished.read_bytes()) == before  # not rerun
     assert "bf16 seed 0: reused" in messages[0] and "te_nvfp4 seed 0: resumed" in messages[1]
-    # Resuming reproduces the uninterrupted run: same curve (steps 1-4), evals and final loss.
+    # Resuming reproduces the uninterrupted run: same curve (steps 1-2), evals and final loss.
     for key in ("loss_curve", "eval_losses", "final_eval_loss", "quant_stats"):
         assert second["runs"][1][key] == first["runs"][1][key], key
     losses = lambda study: [(row["arm"], row["final_eval_losses"]) for row in study["summary"]]
@@ -130,7 +132,7 @@ def test_a_run_held_by_another_process_stops_the_lab_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_sigterm_to_the_lab_process_after_its_first_run_stops_it_with_75_and_a_rerun_finishes(tmp_path):
     out = tmp_path / "study"
-    args = [*TINY, "steps=3", "eval_interval=1000", "checkpoint_period=1", "--arms", "bf16", "te_nvfp4",
+    args = [*TINY, "steps=2", "eval_interval=1000", "checkpoint_period=1", "--arms", "bf16", "te_nvfp4",
             "--seeds", "1", "--out", str(out), "--no_plots"]
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
