@@ -41,9 +41,6 @@ def pytest_collection_modifyitems(config, items):
     pytest-xdist's work stealing moves queued tests, never a running one, so a heavy test left
     for the end keeps one worker busy while the other idles; with the heavy modules up front
     the run ends on short tests that stealing can even out."""
-    modules = {}
-    for item in items:
-        modules.setdefault(item.module.__name__ if item.module else item.nodeid, []).append(item)
-    heavy = {name for name, group in modules.items() if any(i.get_closest_marker("slow") for i in group)}
-    items[:] = [i for name, group in modules.items() if name in heavy for i in group] + \
-               [i for name, group in modules.items() if name not in heavy for i in group]
+    module = lambda item: item.module.__name__ if item.module else item.nodeid
+    heavy = {module(i) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: module(i) not in heavy)  # stable: each module's order is kept
