@@ -8,7 +8,10 @@ Metrics, per (arm, seed):
 - `train_tail`: the mean training loss over the last `TAIL_FRACTION` of the steps, the
   paper's headline metric (a training-loss gap);
 - `tokens_to_target`: tokens until the smoothed training loss first reaches a target, by
-  default the reference arm's `train_tail` of the same seed.
+  default the reference arm's `train_tail` of the same seed;
+- `tokens_to_match_nvfp4`: the paper's framing of "MXFP4 needs 36% more tokens": the tokens an
+  arm needs to reach NVFP4's `train_tail` at the study's length, as a multiple of that length
+  (the tokens NVFP4 trained on).
 
 A comparison is `arm` against `against` on the seeds both ran; its per-seed differences get a
 mean (nats and percent), the t and bootstrap 95% intervals, the paired t-test, the sign test,
@@ -133,7 +136,8 @@ def analyze(runs: Sequence[dict], arms: Sequence[str], reference: str | None, st
         curves[run["arm"]][run["seed"]] = run.get("loss_curve") or []
     pairs = list(comparisons) if comparisons is not None else default_comparisons(arms, reference)
     out: dict[str, Any] = {"alpha": ALPHA, "tail_fraction": TAIL_FRACTION, "margin_percent": margin_percent,
-                           "comparisons": [], "noise_floor": {}, "tokens_to_target": None}
+                           "comparisons": [], "noise_floor": {}, "tokens_to_target": None,
+                           "tokens_to_match_nvfp4": None}
     for metric in METRICS:
         rows = []
         for arm, against in pairs:
@@ -160,6 +164,9 @@ def analyze(runs: Sequence[dict], arms: Sequence[str], reference: str | None, st
     if reference in per:
         out["tokens_to_target"] = tokens_to_target(per, curves, reference, tokens_per_step,
                                                    span=TAIL_FRACTION * steps)
+    if RECIPE in per:
+        out["tokens_to_match_nvfp4"] = tokens_to_match(per, curves, RECIPE, steps, tokens_per_step,
+                                                        span=TAIL_FRACTION * steps)
     return out
 
 
@@ -211,4 +218,33 @@ def tokens_to_target(per: dict, curves: dict, reference: str, tokens_per_step: i
         rows[arm] = row
     return {"target": "the reference arm's mean training loss over the last "
                       f"{TAIL_FRACTION:.0%} of its steps, per seed", "smoothing_steps": span,
+            "targets": targets, "arms": rows}
+
+
+def tokens_to_match(per: dict, curves: dict, match: str, steps: int, tokens_per_step: int | None,
+                    span: float) -> dict[str, Any]:
+    """Per arm and seed, the step at which its training loss, smoothed over `span` steps, reaches
+    `match`'s `train_tail` of the same seed (its loss over the last `span` steps of the study),
+    and that step as a multiple of the study's `steps`: the tokens the arm needs to match `match`
+    relative to the tokens `match` trained on (> 1: more; the paper's "MXFP4 needs 36% more
+    tokens to match NVFP4"). With `span` the tail's length, `match` itself reaches its target at
+    `steps` exactly. An arm's extended run (`--extend`), where there is one, gives its curve."""
+    targets = {s: m["train_tail"] for s, m in per[match].items() if m["train_tail"] is not None}
+    rows = {}
+    for arm, by_seed in curves.items():
+        if arm == match:
+            continue
+        reached = {s: steps_to_target(c, targets[s], span) for s, c in by_seed.items() if s in targets}
+        multiples = [v / steps for v in reached.values() if v is not None]
+        row: dict[str, Any] = {"steps": reached,
+                               "multiple": {s: None if v is None else v / steps for s, v in reached.items()},
+                               "multiple_mean": stats.mean(multiples) if multiples else None}
+        ci = stats.t_interval(multiples)
+        row["multiple_ci_t"] = list(ci) if ci else None
+        if tokens_per_step:
+            row["tokens"] = {s: None if v is None else v * tokens_per_step for s, v in reached.items()}
+        row["not_reached_seeds"] = sorted(s for s in reached if reached[s] is None)
+        rows[arm] = row
+    return {"target": f"`{match}`'s mean training loss over the last {TAIL_FRACTION:.0%} of the study's "
+                      f"{steps} steps, per seed", "match": match, "steps": steps, "smoothing_steps": span,
             "targets": targets, "arms": rows}

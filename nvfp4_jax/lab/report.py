@@ -149,6 +149,24 @@ def _tokens_table(result: dict) -> list[str]:
         ratio = ("" if "ratio_mean" not in row else
                  f"{_num(row['ratio_mean'], '.3f')} {_ci(row.get('ratio_ci_t')).replace('+', '')}")
         out.append(f"| `{arm}` | {steps} | {ratio} | {row['not_reached_seeds'] or ''} |")
+    return out + [""] + _match_table(result)
+
+
+def _match_table(result: dict) -> list[str]:
+    ttm = result.get("tokens_to_match_nvfp4")
+    if not ttm or not ttm["arms"]:
+        return []
+    out = [f"### Tokens to match `{ttm['match']}`", "",
+           f"Target: {ttm['target']}; training loss smoothed over {ttm['smoothing_steps']:g} steps. "
+           f"Multiple: steps to the target / {ttm['steps']} (> 1: the arm needs that many times the tokens "
+           f"`{ttm['match']}` trained on; the paper's MXFP4 figure is 1.36). 'not reached': the run ended "
+           "first.", "",
+           "| arm | steps to target (per seed) | multiple (mean, 95% CI) | not reached (seeds) |",
+           "|---|---|---|---|"]
+    for arm, row in ttm["arms"].items():
+        steps = ", ".join("—" if v is None else f"{v:.0f}" for _, v in sorted(row["steps"].items()))
+        multiple = f"{_num(row['multiple_mean'], '.3f')} {_ci(row.get('multiple_ci_t')).replace('+', '')}"
+        out.append(f"| `{arm}` | {steps} | {multiple} | {row['not_reached_seeds'] or ''} |")
     return out + [""]
 
 

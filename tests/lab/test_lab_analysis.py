@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from nvfp4_jax.lab import analysis, stats
+from nvfp4_jax.lab import analysis, report, stats
 
 
 def _curve(fn, steps, window=10):
@@ -46,16 +46,19 @@ def _runs(arm, losses_by_seed, fn_by_seed=None, steps=600, **extra):
     return out
 
 
+def _linear_arm(name, k, steps):
+    """Two seeds of an arm whose loss falls as 10 - s / (100 k); past 600 steps, an extended run."""
+    fn = lambda s: 10.0 - s / (100.0 * k)
+    return _runs(name, {0: 1.0, 1: 1.0}, {0: fn, 1: fn}, steps=steps, extended=steps > 600)
+
+
 def test_tokens_to_target_and_the_ratio_to_nvfp4_on_curves_with_known_answers():
     # Linear losses 10 - s / (100 k): BF16 (k = 1) averages 10 - 5.75 = 4.25 over its last 10%
     # (points 550..600). Smoothed over 60 steps (six points s-50..s) a line lags by 25 steps,
     # so an arm of slope 1/(100 k) reaches 4.25 at 100 k * 5.75 + 25: NVFP4 (k = 1.1) at 657.5,
     # MXFP4 (k = 1.32) at 784, both past the 600 steps: only their extended runs get there.
-    def arm(name, k, steps):
-        fn = lambda s, k=k: 10.0 - s / (100.0 * k)
-        return _runs(name, {0: 1.0, 1: 1.0}, {0: fn, 1: fn}, steps=steps, extended=steps > 600)
-    runs = arm("bf16", 1.0, 600) + arm("te_nvfp4", 1.1, 600) + arm("te_nvfp4", 1.1, 900) \
-        + arm("mxfp4", 1.32, 600) + arm("mxfp4", 1.32, 900)
+    runs = _linear_arm("bf16", 1.0, 600) + _linear_arm("te_nvfp4", 1.1, 600) + _linear_arm("te_nvfp4", 1.1, 900) \
+        + _linear_arm("mxfp4", 1.32, 600) + _linear_arm("mxfp4", 1.32, 900)
     out = analysis.analyze(runs, ["bf16", "te_nvfp4", "mxfp4"], "bf16", 600, tokens_per_step=1000)
     ttt = out["tokens_to_target"]
     assert ttt["targets"][0] == pytest.approx(4.25)
@@ -70,6 +73,36 @@ def test_tokens_to_target_and_the_ratio_to_nvfp4_on_curves_with_known_answers():
     tail = {(c["arm"], c["against"]): c for c in out["comparisons"] if c["metric"] == "train_tail"}
     gap = tail[("te_nvfp4", "bf16")]["gap"]
     assert gap == pytest.approx(analysis.tail_mean(_curve(lambda s: 10 - s / 110.0, 600), 600) - 4.25)
+
+
+def test_tokens_to_match_nvfp4_is_the_papers_multiple_of_nvfp4s_tokens():
+    # The paper's framing: how many times NVFP4's tokens an arm needs to reach NVFP4's loss.
+    # NVFP4 (10 - s/110, 600 steps) averages 10 - 575/110 over its last 10% (points 550..600).
+    # Smoothed over 60 steps a line lags by 25: MXFP4's extended run (slope 1/132) gets there at
+    # 132 * 575/110 + 25 = 715 (1.1917x the 600 steps); BF16 (slope 1/100) at 547.73 (0.913x).
+    runs = _linear_arm("bf16", 1.0, 600) + _linear_arm("te_nvfp4", 1.1, 600) + _linear_arm("mxfp4", 1.32, 600) \
+        + _linear_arm("mxfp4", 1.32, 900) + _linear_arm("te_fp8_delayedscaling", 1.0, 600)
+    out = analysis.analyze(runs, ["bf16", "te_fp8_delayedscaling", "te_nvfp4", "mxfp4"], "bf16", 600,
+                           tokens_per_step=1000)
+    ttm = out["tokens_to_match_nvfp4"]
+    assert ttm["match"] == "te_nvfp4" and "te_nvfp4" not in ttm["arms"]
+    assert ttm["targets"][0] == pytest.approx(10.0 - 575.0 / 110.0)
+    mx = ttm["arms"]["mxfp4"]
+    assert mx["steps"][0] == pytest.approx(715.0)
+    assert mx["multiple_mean"] == pytest.approx(715.0 / 600.0)
+    assert mx["tokens"][1] == pytest.approx(715_000.0)
+    assert mx["not_reached_seeds"] == []
+    assert ttm["arms"]["bf16"]["multiple"][0] == pytest.approx((575.0 / 1.1 + 25.0) / 600.0)
+    table = "\n".join(report._tokens_table(out))
+    assert "### Tokens to match `te_nvfp4`" in table
+    assert "| `mxfp4` | 715, 715 | 1.192 [1.1917, 1.1917] |  |" in table
+    # Only MXFP4's extended run reaches the target: its 600-step curve alone would not.
+    short = [r for r in runs if not r.get("extended")]
+    again = analysis.analyze(short, ["bf16", "te_nvfp4", "mxfp4"], "bf16", 600)["tokens_to_match_nvfp4"]
+    assert again["arms"]["mxfp4"]["not_reached_seeds"] == [0, 1]
+    assert again["arms"]["mxfp4"]["multiple_mean"] is None
+    # No NVFP4 arm in the study: nothing to match.
+    assert analysis.analyze(short, ["bf16", "mxfp4"], "bf16", 600)["tokens_to_match_nvfp4"] is None
 
 
 def test_comparisons_holm_and_verdicts_follow_the_corrected_numbers():
