@@ -8,10 +8,14 @@ Metrics, per (arm, seed):
 - `train_tail`: the mean training loss over the last `TAIL_FRACTION` of the steps, the
   paper's headline metric (a training-loss gap);
 - `tokens_to_target`: tokens until the smoothed training loss first reaches a target, by
-  default the reference arm's `train_tail` of the same seed;
-- `tokens_to_match_nvfp4`: the paper's framing of "MXFP4 needs 36% more tokens": the tokens an
-  arm needs to reach NVFP4's `train_tail` at the study's length, as a multiple of that length
-  (the tokens NVFP4 trained on).
+  default the reference arm's `train_tail` of the same seed, read off the arm's extended run
+  (`--extend`). That run's schedule has not decayed yet where it crosses, so the step overstates
+  what a run scheduled to end there would need; its ratio to NVFP4's (same schedule) is the
+  comparable figure;
+- `length_to_match`: the paper's framing ("MXFP4 needs 36% more tokens to match NVFP4"): the
+  length, as a multiple of the study's steps, of a run that ends (schedule and all) at another
+  arm's `train_tail`, interpolated between the arm's two complete runs, at the study's length
+  and at `extend` times it, as linear in log(steps).
 
 A comparison is `arm` against `against` on the seeds both ran; its per-seed differences get a
 mean (nats and percent), the t and bootstrap 95% intervals, the paired t-test, the sign test,
@@ -125,19 +129,28 @@ def analyze(runs: Sequence[dict], arms: Sequence[str], reference: str | None, st
             tokens_per_step: int | None = None) -> dict[str, Any]:
     """The study's statistics from its runs (the records `results.json` holds)."""
     per: dict[str, dict[int, dict]] = {a: {} for a in arms}
-    curves: dict[str, dict[int, list]] = {a: {} for a in arms}
+    curves: dict[str, dict[int, list]] = {a: {} for a in arms}  # the study-length runs
+    longest: dict[str, dict[int, list]] = {a: {} for a in arms}  # extended where there is one
+    extended: dict[str, dict[int, tuple[float, int]]] = {a: {} for a in arms}  # (tail, steps)
     for run in sorted(runs, key=lambda r: bool(r.get("extended"))):
         if run["arm"] not in per or str(run.get("status", "")).startswith("diverged"):
             continue
-        # An extended run (`--extend`) trains past the study's steps only so that
-        # tokens-to-target has room: its curve replaces the arm's there, nowhere else.
-        if not run.get("extended"):
+        # An extended run (`--extend`) trains past the study's steps only for tokens-to-target
+        # and length-to-match; its schedule differs, so it feeds nothing else.
+        curve = run.get("loss_curve") or []
+        if run.get("extended"):
+            run_steps = run.get("steps") or (curve[-1][0] if curve else 0)
+            tail = tail_mean(curve, run_steps)
+            if tail is not None:
+                extended[run["arm"]][run["seed"]] = (tail, run_steps)
+        else:
             per[run["arm"]][run["seed"]] = run_metrics(run, steps)
-        curves[run["arm"]][run["seed"]] = run.get("loss_curve") or []
+            curves[run["arm"]][run["seed"]] = curve
+        longest[run["arm"]][run["seed"]] = curve
     pairs = list(comparisons) if comparisons is not None else default_comparisons(arms, reference)
     out: dict[str, Any] = {"alpha": ALPHA, "tail_fraction": TAIL_FRACTION, "margin_percent": margin_percent,
                            "comparisons": [], "noise_floor": {}, "tokens_to_target": None,
-                           "tokens_to_match_nvfp4": None}
+                           "length_to_match": {}}
     for metric in METRICS:
         rows = []
         for arm, against in pairs:
@@ -162,11 +175,12 @@ def analyze(runs: Sequence[dict], arms: Sequence[str], reference: str | None, st
         f"{arm} vs {against}": gap_by_segment(curves.get(arm, {}), curves.get(against, {}), steps)
         for arm, against in pairs}
     if reference in per:
-        out["tokens_to_target"] = tokens_to_target(per, curves, reference, tokens_per_step,
+        out["tokens_to_target"] = tokens_to_target(per, longest, reference, tokens_per_step,
                                                    span=TAIL_FRACTION * steps)
-    if RECIPE in per:
-        out["tokens_to_match_nvfp4"] = tokens_to_match(per, curves, RECIPE, steps, tokens_per_step,
-                                                        span=TAIL_FRACTION * steps)
+    if any(extended.values()):
+        for match in (reference, RECIPE):
+            if match in per:
+                out["length_to_match"][match] = length_to_match(per, extended, match, steps)
     return out
 
 
@@ -221,30 +235,38 @@ def tokens_to_target(per: dict, curves: dict, reference: str, tokens_per_step: i
             "targets": targets, "arms": rows}
 
 
-def tokens_to_match(per: dict, curves: dict, match: str, steps: int, tokens_per_step: int | None,
-                    span: float) -> dict[str, Any]:
-    """Per arm and seed, the step at which its training loss, smoothed over `span` steps, reaches
-    `match`'s `train_tail` of the same seed (its loss over the last `span` steps of the study),
-    and that step as a multiple of the study's `steps`: the tokens the arm needs to match `match`
-    relative to the tokens `match` trained on (> 1: more; the paper's "MXFP4 needs 36% more
-    tokens to match NVFP4"). With `span` the tail's length, `match` itself reaches its target at
-    `steps` exactly. An arm's extended run (`--extend`), where there is one, gives its curve."""
+
+def length_to_match(per: dict, extended: dict, match: str, steps: int) -> dict[str, Any]:
+    """Per arm and seed, the length (a multiple of the study's `steps`) of a complete run whose
+    final training loss equals `match`'s `train_tail` of the same seed: the paper's "MXFP4 needs
+    36% more tokens to match NVFP4", where every point is a run that ended with its schedule.
+
+    Each arm has two such runs, the study's (`train_tail` L1 at `steps`) and its extended one
+    (tail L2 at E x `steps`); the final loss is taken as linear in log(steps) between them, so
+    the multiple is E ** ((L1 - target) / (L1 - L2)). Outside [1, E] that is an extrapolation
+    (flagged per seed); when the extended run ends no lower than the study's run there is no
+    slope to follow (None)."""
     targets = {s: m["train_tail"] for s, m in per[match].items() if m["train_tail"] is not None}
     rows = {}
-    for arm, by_seed in curves.items():
-        if arm == match:
+    for arm, by_seed in extended.items():
+        if arm == match or not by_seed:
             continue
-        reached = {s: steps_to_target(c, targets[s], span) for s, c in by_seed.items() if s in targets}
-        multiples = [v / steps for v in reached.values() if v is not None]
-        row: dict[str, Any] = {"steps": reached,
-                               "multiple": {s: None if v is None else v / steps for s, v in reached.items()},
-                               "multiple_mean": stats.mean(multiples) if multiples else None}
-        ci = stats.t_interval(multiples)
-        row["multiple_ci_t"] = list(ci) if ci else None
-        if tokens_per_step:
-            row["tokens"] = {s: None if v is None else v * tokens_per_step for s, v in reached.items()}
-        row["not_reached_seeds"] = sorted(s for s in reached if reached[s] is None)
-        rows[arm] = row
+        multiple: dict[int, float | None] = {}
+        outside = []
+        for seed, (tail_long, steps_long) in by_seed.items():
+            tail = per.get(arm, {}).get(seed, {}).get("train_tail")
+            if seed not in targets or tail is None or not tail_long < tail:
+                multiple[seed] = None
+                continue
+            multiple[seed] = (steps_long / steps) ** ((tail - targets[seed]) / (tail - tail_long))
+            if not 1.0 <= multiple[seed] <= steps_long / steps:
+                outside.append(seed)
+        values = [v for v in multiple.values() if v is not None]
+        ci = stats.t_interval(values)
+        rows[arm] = {"multiple": multiple, "multiple_mean": stats.mean(values) if values else None,
+                     "multiple_ci_t": list(ci) if ci else None, "extrapolated_seeds": sorted(outside),
+                     "no_slope_seeds": sorted(s for s, v in multiple.items() if v is None)}
     return {"target": f"`{match}`'s mean training loss over the last {TAIL_FRACTION:.0%} of the study's "
-                      f"{steps} steps, per seed", "match": match, "steps": steps, "smoothing_steps": span,
+                      f"{steps} steps, per seed", "match": match, "steps": steps,
+            "model": "final training loss linear in log(steps) between each arm's two complete runs",
             "targets": targets, "arms": rows}

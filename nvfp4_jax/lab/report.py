@@ -140,8 +140,10 @@ def _tokens_table(result: dict) -> list[str]:
         return []
     out = ["### Tokens to the target loss", "",
            f"Target: {ttt['target']}; training loss smoothed over {ttt['smoothing_steps']:g} steps. "
-           "Ratio > 1: the arm needs more tokens than `te_nvfp4` to get there. 'not reached': "
-           "the run ended first (train longer with `--extend`).", "",
+           "Read off each arm's longest run: an extended run's schedule has not decayed where it crosses, "
+           "so its steps overstate what a run scheduled to end there needs; the ratio (both on one "
+           "schedule) is the comparable figure. Ratio > 1: the arm needs more tokens than `te_nvfp4` to "
+           "get there. 'not reached': the run ended first (train longer with `--extend`).", "",
            "| arm | steps to target (per seed) | ratio to `te_nvfp4` (mean, 95% CI) | not reached (seeds) |",
            "|---|---|---|---|"]
     for arm, row in ttt["arms"].items():
@@ -153,21 +155,24 @@ def _tokens_table(result: dict) -> list[str]:
 
 
 def _match_table(result: dict) -> list[str]:
-    ttm = result.get("tokens_to_match_nvfp4")
-    if not ttm or not ttm["arms"]:
-        return []
-    out = [f"### Tokens to match `{ttm['match']}`", "",
-           f"Target: {ttm['target']}; training loss smoothed over {ttm['smoothing_steps']:g} steps. "
-           f"Multiple: steps to the target / {ttm['steps']} (> 1: the arm needs that many times the tokens "
-           f"`{ttm['match']}` trained on; the paper's MXFP4 figure is 1.36). 'not reached': the run ended "
-           "first.", "",
-           "| arm | steps to target (per seed) | multiple (mean, 95% CI) | not reached (seeds) |",
-           "|---|---|---|---|"]
-    for arm, row in ttm["arms"].items():
-        steps = ", ".join("—" if v is None else f"{v:.0f}" for _, v in sorted(row["steps"].items()))
-        multiple = f"{_num(row['multiple_mean'], '.3f')} {_ci(row.get('multiple_ci_t')).replace('+', '')}"
-        out.append(f"| `{arm}` | {steps} | {multiple} | {row['not_reached_seeds'] or ''} |")
-    return out + [""]
+    out: list[str] = []
+    for ltm in (result.get("length_to_match") or {}).values():
+        if not ltm["arms"]:
+            continue
+        out += [f"### Training length to match `{ltm['match']}`", "",
+                f"Target: {ltm['target']}. Multiple: the length, in units of {ltm['steps']} steps, of a "
+                f"complete run (its schedule ended) that ends at the target; {ltm['model']} (> 1: more "
+                "tokens; the paper's MXFP4 figure against NVFP4 is 1.36). '*': extrapolated beyond the two "
+                "runs; 'no slope': the longer run did not end lower.", "",
+                "| arm | multiple (per seed) | mean, 95% CI | no slope (seeds) |",
+                "|---|---|---|---|"]
+        for arm, row in ltm["arms"].items():
+            per_seed = ", ".join("—" if v is None else f"{v:.3f}{'*' if s in row['extrapolated_seeds'] else ''}"
+                                 for s, v in sorted(row["multiple"].items()))
+            mean = f"{_num(row['multiple_mean'], '.3f')} {_ci(row.get('multiple_ci_t')).replace('+', '')}"
+            out.append(f"| `{arm}` | {per_seed} | {mean} | {row['no_slope_seeds'] or ''} |")
+        out.append("")
+    return out
 
 
 def conclusions(result: dict) -> list[str]:

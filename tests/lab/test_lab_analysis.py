@@ -41,7 +41,7 @@ def _runs(arm, losses_by_seed, fn_by_seed=None, steps=600, **extra):
     out = []
     for seed, loss in losses_by_seed.items():
         fn = fn_by_seed[seed] if fn_by_seed else (lambda s: 2.0)
-        out.append({"arm": arm, "seed": seed, "status": "trained", "final_eval_loss": loss,
+        out.append({"arm": arm, "seed": seed, "status": "trained", "final_eval_loss": loss, "steps": steps,
                     "loss_curve": _curve(fn, steps), **extra})
     return out
 
@@ -75,34 +75,54 @@ def test_tokens_to_target_and_the_ratio_to_nvfp4_on_curves_with_known_answers():
     assert gap == pytest.approx(analysis.tail_mean(_curve(lambda s: 10 - s / 110.0, 600), 600) - 4.25)
 
 
-def test_tokens_to_match_nvfp4_is_the_papers_multiple_of_nvfp4s_tokens():
-    # The paper's framing: how many times NVFP4's tokens an arm needs to reach NVFP4's loss.
-    # NVFP4 (10 - s/110, 600 steps) averages 10 - 575/110 over its last 10% (points 550..600).
-    # Smoothed over 60 steps a line lags by 25: MXFP4's extended run (slope 1/132) gets there at
-    # 132 * 575/110 + 25 = 715 (1.1917x the 600 steps); BF16 (slope 1/100) at 547.73 (0.913x).
-    runs = _linear_arm("bf16", 1.0, 600) + _linear_arm("te_nvfp4", 1.1, 600) + _linear_arm("mxfp4", 1.32, 600) \
-        + _linear_arm("mxfp4", 1.32, 900) + _linear_arm("te_fp8_delayedscaling", 1.0, 600)
-    out = analysis.analyze(runs, ["bf16", "te_fp8_delayedscaling", "te_nvfp4", "mxfp4"], "bf16", 600,
-                           tokens_per_step=1000)
-    ttm = out["tokens_to_match_nvfp4"]
-    assert ttm["match"] == "te_nvfp4" and "te_nvfp4" not in ttm["arms"]
-    assert ttm["targets"][0] == pytest.approx(10.0 - 575.0 / 110.0)
-    mx = ttm["arms"]["mxfp4"]
-    assert mx["steps"][0] == pytest.approx(715.0)
-    assert mx["multiple_mean"] == pytest.approx(715.0 / 600.0)
-    assert mx["tokens"][1] == pytest.approx(715_000.0)
-    assert mx["not_reached_seeds"] == []
-    assert ttm["arms"]["bf16"]["multiple"][0] == pytest.approx((575.0 / 1.1 + 25.0) / 600.0)
+def _flat_arm(name, base_loss, extended_loss=None):
+    """Two seeds of an arm whose 600-step run ends at `base_loss` and, if given, whose 900-step
+    extended run ends at `extended_loss` (flat curves: the tail mean is the loss)."""
+    runs = _runs(name, {0: 1.0, 1: 1.0}, {0: lambda s: base_loss, 1: lambda s: base_loss})
+    if extended_loss is not None:
+        runs += _runs(name, {0: 1.0, 1: 1.0}, {0: lambda s: extended_loss, 1: lambda s: extended_loss},
+                      steps=900, extended=True)
+    return runs
+
+
+def test_length_to_match_interpolates_complete_runs_in_log_steps():
+    # The paper's framing: the length of a run that ends at another arm's loss. Between a run of
+    # 600 steps ending at L1 and one of 900 ending at L2, a target T is reached at
+    # 1.5 ** ((L1 - T) / (L1 - L2)) times 600 steps.
+    runs = (_flat_arm("bf16", 2.00) + _flat_arm("te_fp8_delayedscaling", 2.02, 1.98)
+            + _flat_arm("te_nvfp4", 2.10, 2.00) + _flat_arm("mxfp4", 2.20, 2.05)
+            + _flat_arm("te_nvfp4_no_rht", 2.12, 2.12))
+    arms = ["bf16", "te_fp8_delayedscaling", "te_nvfp4", "mxfp4", "te_nvfp4_no_rht"]
+    out = analysis.analyze(runs, arms, "bf16", 600)
+    to_nvfp4 = out["length_to_match"]["te_nvfp4"]
+    assert to_nvfp4["targets"][0] == pytest.approx(2.10)
+    mx = to_nvfp4["arms"]["mxfp4"]
+    assert mx["multiple"][0] == pytest.approx(1.5 ** (2 / 3))  # 1.31: inside [1, 1.5]
+    assert mx["multiple_mean"] == pytest.approx(1.5 ** (2 / 3)) and mx["extrapolated_seeds"] == []
+    fp8 = to_nvfp4["arms"]["te_fp8_delayedscaling"]
+    assert fp8["multiple"][1] == pytest.approx(1.5 ** -2) and fp8["extrapolated_seeds"] == [0, 1]
+    # No extended run that ends lower: no slope to follow.
+    assert to_nvfp4["arms"]["te_nvfp4_no_rht"]["multiple"] == {0: None, 1: None}
+    assert to_nvfp4["arms"]["te_nvfp4_no_rht"]["no_slope_seeds"] == [0, 1]
+    assert "te_nvfp4" not in to_nvfp4["arms"] and "bf16" not in to_nvfp4["arms"]  # bf16: no extended run
+    to_bf16 = out["length_to_match"]["bf16"]
+    assert to_bf16["arms"]["te_nvfp4"]["multiple"][0] == pytest.approx(1.5)
+    assert to_bf16["arms"]["mxfp4"]["multiple"][0] == pytest.approx(1.5 ** (4 / 3))
+    assert to_bf16["arms"]["mxfp4"]["extrapolated_seeds"] == [0, 1]
     table = "\n".join(report._tokens_table(out))
-    assert "### Tokens to match `te_nvfp4`" in table
-    assert "| `mxfp4` | 715, 715 | 1.192 [1.1917, 1.1917] |  |" in table
-    # Only MXFP4's extended run reaches the target: its 600-step curve alone would not.
+    assert "### Training length to match `te_nvfp4`" in table
+    assert "| `mxfp4` | 1.310, 1.310 | 1.310 [1.3104, 1.3104] |  |" in table
+    assert "| `te_fp8_delayedscaling` | 0.444*, 0.444* |" in table
+    # Without extended runs there is nothing to interpolate.
     short = [r for r in runs if not r.get("extended")]
-    again = analysis.analyze(short, ["bf16", "te_nvfp4", "mxfp4"], "bf16", 600)["tokens_to_match_nvfp4"]
-    assert again["arms"]["mxfp4"]["not_reached_seeds"] == [0, 1]
-    assert again["arms"]["mxfp4"]["multiple_mean"] is None
-    # No NVFP4 arm in the study: nothing to match.
-    assert analysis.analyze(short, ["bf16", "mxfp4"], "bf16", 600)["tokens_to_match_nvfp4"] is None
+    assert analysis.analyze(short, arms, "bf16", 600)["length_to_match"] == {}
+
+
+def test_extended_runs_stay_out_of_the_gap_by_quarter():
+    # An extended run trains on another schedule: the quarter gaps compare study-length runs.
+    runs = _flat_arm("bf16", 2.00) + _flat_arm("te_nvfp4", 2.10, 1.00)
+    out = analysis.analyze(runs, ["bf16", "te_nvfp4"], "bf16", 600)
+    assert out["train_gap_by_quarter"]["te_nvfp4 vs bf16"] == pytest.approx([5.0, 5.0, 5.0, 5.0])
 
 
 def test_comparisons_holm_and_verdicts_follow_the_corrected_numbers():
