@@ -235,7 +235,6 @@ def tokens_to_target(per: dict, curves: dict, reference: str, tokens_per_step: i
             "targets": targets, "arms": rows}
 
 
-
 def length_to_match(per: dict, extended: dict, match: str, steps: int) -> dict[str, Any]:
     """Per arm and seed, the length (a multiple of the study's `steps`) of a complete run whose
     final training loss equals `match`'s `train_tail` of the same seed: the paper's "MXFP4 needs

@@ -151,7 +151,7 @@ def _tokens_table(result: dict) -> list[str]:
         ratio = ("" if "ratio_mean" not in row else
                  f"{_num(row['ratio_mean'], '.3f')} {_ci(row.get('ratio_ci_t')).replace('+', '')}")
         out.append(f"| `{arm}` | {steps} | {ratio} | {row['not_reached_seeds'] or ''} |")
-    return out + [""] + _match_table(result)
+    return out + [""]
 
 
 def _match_table(result: dict) -> list[str]:
@@ -232,7 +232,7 @@ def summary_markdown(study: dict, summary: Sequence[dict], result: dict | None =
     lines += ["", "The p-values in this table are uncorrected; the conclusions below use the corrected ones.", ""]
     if result:
         lines += ["## Comparisons", "", f"Method: {TEST}.", ""]
-        lines += _comparison_tables(result) + _tokens_table(result)
+        lines += _comparison_tables(result) + _tokens_table(result) + _match_table(result)
         lines += ["## Conclusions", ""] + conclusions(result) + [""]
     arms = study.get("arms", [])
     if arms:

@@ -109,7 +109,7 @@ def test_length_to_match_interpolates_complete_runs_in_log_steps():
     assert to_bf16["arms"]["te_nvfp4"]["multiple"][0] == pytest.approx(1.5)
     assert to_bf16["arms"]["mxfp4"]["multiple"][0] == pytest.approx(1.5 ** (4 / 3))
     assert to_bf16["arms"]["mxfp4"]["extrapolated_seeds"] == [0, 1]
-    table = "\n".join(report._tokens_table(out))
+    table = "\n".join(report._match_table(out))
     assert "### Training length to match `te_nvfp4`" in table
     assert "| `mxfp4` | 1.310, 1.310 | 1.310 [1.3104, 1.3104] |  |" in table
     assert "| `te_fp8_delayedscaling` | 0.444*, 0.444* |" in table
