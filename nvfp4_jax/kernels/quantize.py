@@ -292,10 +292,10 @@ def _out_specs(copy: Copy, shape, bt: int, bn: int):
 
 def _tensor_inputs(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(scalars uint32[3], table float32[256]) of one amax: the reference's per-tensor factors."""
-    mult, mult_tiny, table = nvfp4.tensor_factors(amax)
+    f = nvfp4.tensor_factors(amax)
     nonfinite = jnp.isnan(amax).astype(jnp.uint32)
-    scalars = jnp.stack([exact.bits(mult), exact.bits(mult_tiny), nonfinite])
-    return scalars, jnp.concatenate([table[:, 0], table[:, 1]])
+    scalars = jnp.stack([exact.bits(f.mult), exact.bits(f.mult_tiny), nonfinite])
+    return scalars, jnp.concatenate([f.table[:, 0], f.table[:, 1]])
 
 
 def _copy_scalars(tensor_scalars: jax.Array, key) -> jax.Array:

@@ -9,6 +9,7 @@ backend's operands, the Pallas kernels' per-tensor factors and the health statis
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,30 +82,57 @@ _ONE_SIXTH = np.float32(1.0) / np.float32(6.0)  # fl32(1/6), folded into the glo
 _E4M3_VALUES = np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
 
 
-def _global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """S_enc = min(2688 / amax, FLT_MAX) (1 when amax is Inf), S_dec = 1 / S_enc."""
-    s_enc = jnp.minimum(exact.div(F.NVFP4_GLOBAL_SCALE, amax), jnp.float32(F.FLT_MAX))
-    s_enc = jnp.where(jnp.isinf(amax), jnp.float32(1.0), s_enc)
-    return s_enc, exact.div(1.0, s_enc)
-
-
 def decode_scale(amax: jax.Array) -> jax.Array:
     """The per-tensor decode factor amax / 2688, correctly rounded on every backend."""
     return exact.div(amax, F.NVFP4_GLOBAL_SCALE)
 
 
-def tensor_factors(amax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-tensor factors: (S_enc * fl32(1/6), that times 2**-149, the block-factor table).
+def _tiny_multiplier(mult: jax.Array) -> jax.Array:
+    """`mult * 2**-149` where that matters to `block_scales`, exactly, in normal float32 steps.
 
-    The table has a row per non-negative E4M3 byte: its scale s_b and the encode factor
-    enc = min(1 / (s_b * S_dec), FLT_MAX), so blocks look both up by their scale's byte
-    instead of dividing. All of it is exact integer-built arithmetic (`exact`), computed once.
+    A subnormal block amax is frac * 2**-149 (frac < 2**23), scaled as frac * (mult * 2**-149).
+    For mult >= 2**23 the factor is a normal number: the exponent field lowered by 149, on the
+    bits (no float product for XLA to fold into one by a subnormal constant). For smaller mult, frac * mult * 2**-149 < 2**-103, far below half the smallest
+    E4M3 scale (2**-10): the block scale is 0 whatever the factor, so it is 0 (no subnormal
+    factor for a flushing backend to read differently).
     """
-    s_enc, s_dec = _global_scales(amax)
-    mult = exact.mul(s_enc, _ONE_SIXTH)
+    scaled = exact.from_bits(exact.bits(mult) - np.uint32(149 << 23))
+    return jnp.where(mult >= np.float32(2.0**23), scaled, jnp.float32(0.0))
+
+
+class TensorFactors(NamedTuple):
+    """The per-tensor factors of one amax (`tensor_factors`)."""
+
+    mult: jax.Array  # fl32(S_enc * fl32(1/6)): block scales are amax_b * mult
+    mult_tiny: jax.Array  # mult * 2**-149 where it matters, for subnormal block amaxes (`block_scales`)
+    table: jax.Array  # [128, 2]: (s_b, enc_b) per non-negative E4M3 byte
+    decode: jax.Array  # S_dec of the GEMM: fl32(amax / 2688)
+
+
+def tensor_factors(amax: jax.Array) -> TensorFactors:
+    """Per-tensor factors of `amax` (spec section 2): the block-scale multiplier, the
+    block-factor table and the decode scale.
+
+    S_enc = min(2688 / amax, FLT_MAX) (1 when amax is Inf) and S_dec = 1 / S_enc. The table has
+    a row per non-negative E4M3 byte: its scale s_b and the encode factor
+    enc = min(1 / (s_b * S_dec), FLT_MAX), so blocks look both up by their scale's byte instead
+    of dividing. Correctly rounded on every backend (`exact` where hardware arithmetic may not
+    be). Three exact divisions and one exact product in all, the two that need only amax in one
+    call; the results leave as one array through one `computed_once`, so XLA computes each
+    once, not once per consumer.
+    """
+    (quotients,) = F.computed_once(exact.div(jnp.stack([jnp.float32(F.NVFP4_GLOBAL_SCALE), amax]),
+                                             jnp.stack([amax, jnp.float32(F.NVFP4_GLOBAL_SCALE)])))
+    s_enc = jnp.where(jnp.isinf(amax), jnp.float32(1.0), jnp.minimum(quotients[0], jnp.float32(F.FLT_MAX)))
+    (s_dec,) = F.computed_once(exact.div(1.0, s_enc))
+    # S_enc is a normal number (at least 2688 / FLT_MAX) or NaN, and so is its product with
+    # fl32(1/6): a float32 multiply of normals with a normal result is correctly rounded on
+    # every IEEE backend. The other factors can be subnormal: `exact` rounds them.
+    mult = s_enc * _ONE_SIXTH
     enc = jnp.minimum(exact.div(1.0, exact.mul(_E4M3_VALUES, s_dec)), jnp.float32(F.FLT_MAX))
-    table = jnp.stack([jnp.asarray(_E4M3_VALUES), enc], axis=-1)
-    return F.computed_once(mult, exact.mul(mult, 2.0**-149), table)
+    (packed,) = F.computed_once(jnp.concatenate([jnp.stack([mult, _tiny_multiplier(mult), quotients[1]]), enc]))
+    table = jnp.stack([jnp.asarray(_E4M3_VALUES), packed[3:]], axis=-1)
+    return TensorFactors(packed[0], packed[1], table, packed[2])
 
 
 def block_scales(amax_b: jax.Array, mult: jax.Array, mult_tiny: jax.Array) -> jax.Array:
@@ -129,6 +157,7 @@ class BlockCodes:
     codes: uint32 0..15 E2M1 codes, `lay.blocked`. s_b: float32 block scales, `lay.keepdims`
     (NaN everywhere when x is not finite). scales: the same as float8_e4m3fn, `lay.scale_shape`.
     amax: the float32 per-tensor amax (after the RHT; NaN when x is not finite). lay: the layout.
+    decode: the per-tensor decode factor amax / 2688 (`decode_scale`, from `tensor_factors`).
     """
 
     codes: jax.Array
@@ -136,11 +165,7 @@ class BlockCodes:
     scales: jax.Array
     amax: jax.Array
     lay: F.BlockLayout
-
-    @property
-    def decode(self) -> jax.Array:
-        """The per-tensor decode factor amax / 2688."""
-        return decode_scale(self.amax)
+    decode: jax.Array
 
 
 def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quantize_blocks") -> BlockCodes:
@@ -160,9 +185,9 @@ def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "qua
     nonfinite = F.is_nonfinite_bits(amax_bits)
     amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
 
-    mult, mult_tiny, table = tensor_factors(amax)
+    factors = tensor_factors(amax)
     scale_bytes = lax.bitcast_convert_type(
-        block_scales(F.bits_to_f32(amax_b_bits), mult, mult_tiny), jnp.uint8
+        block_scales(F.bits_to_f32(amax_b_bits), factors.mult, factors.mult_tiny), jnp.uint8
     )
     # A non-finite tensor gets the NaN scale (byte 0x7F) in every block.
     index = jnp.where(nonfinite, np.int32(0x7F), scale_bytes.astype(jnp.int32))
@@ -170,8 +195,8 @@ def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "qua
     # block (a cheap expression would be fused into the element loop and redone 16x). The
     # stored scales are read back from it too (s_b is an E4M3 value: the cast is exact), so
     # that the scale computation is not repeated for them either.
-    factors = table.at[index].get(mode="promise_in_bounds")
-    s_b, enc_b = factors[..., 0], factors[..., 1]
+    per_block = factors.table.at[index].get(mode="promise_in_bounds")
+    s_b, enc_b = per_block[..., 0], per_block[..., 1]
     scales = s_b.astype(jnp.float8_e4m3fn)
 
     y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
@@ -183,7 +208,7 @@ def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "qua
     # A non-finite tensor's codes are all 0 (+0), whatever NaN a backend's arithmetic made of
     # its elements: the NaN scales alone say "not finite" (NVFP4_SPEC.md has no E2M1 NaN).
     codes = jnp.where(nonfinite, NONFINITE_CODE, codes)
-    return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), amax, lay)
+    return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), amax, lay, factors.decode)
 
 
 def gemm_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "gemm_operand"):
