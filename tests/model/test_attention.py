@@ -91,3 +91,31 @@ def test_build_model_refuses_cudnn_attention_without_a_gpu():
     with pytest.raises(ValueError, match=r"attention=cudnn_flash_te runs only on NVIDIA GPUs.*devices are cpu"):
         build_model(cfg)
     assert describe_attention(load_config([]).model).startswith("attention: dot_product (autoselected: no NVIDIA GPU")
+
+
+def test_cudnn_flash_passes_packing_as_a_mask_never_as_segment_offsets(monkeypatch):
+    """jax 0.10.2's cuDNN attention reads wrong keys for packed GQA batches only on its
+    segment-offset path (`_fix_seqlen_offsets` scales `kv_offsets` by the query heads, N * H,
+    instead of the KV heads: fixed in 0.11.1), which runs when `q_offsets`/`kv_offsets` give more
+    than one segment per row. `cudnn_flash` must keep packing out of that path on every JAX: it
+    hands `jax.nn.dot_product_attention` a boolean [B, 1, L, L] mask and no sequence lengths or
+    offsets (docs/backends.md, "cuDNN attention and packed batches")."""
+    from nvfp4_jax.model import attention
+
+    seen = {}
+
+    def fake(q, k, v, bias=None, mask=None, **kwargs):
+        seen.update(kwargs, mask=mask, bias=bias)
+        return q
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+    q = jnp.zeros((2, 8, 4, 16), jnp.bfloat16)
+    kv = jnp.zeros((2, 8, 2, 16), jnp.bfloat16)  # GQA: 2 KV heads for 4 query heads
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 1, 1, 0, 0]], jnp.int32)
+    attention.cudnn_flash_attention(q, kv, kv, segment_ids_BxL=seg)
+    assert seen["implementation"] == "cudnn" and seen["is_causal"] is True
+    assert seen["bias"] is None
+    assert seen["mask"].shape == (2, 1, 8, 8) and seen["mask"].dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(seen["mask"])[:, 0], np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :])
+    offsets = {"query_seq_lengths", "key_value_seq_lengths", "q_offsets", "kv_offsets"}
+    assert not offsets & {k for k, v in seen.items() if v is not None}

@@ -298,12 +298,37 @@ def test_reference_matches_its_documented_formula():
 # --- the start-up probe -----------------------------------------------------------------------
 
 
+# JAX 0.11 added a CPU lowering of scaled_matmul (XLA's dequantize-then-dot rewrite).
+_SCALED_MATMUL_ON_CPU = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
 def test_probe_on_this_machine():
     probe = probe_scaled_matmul()
     if jax.devices()[0].platform == "cpu":
-        assert not probe.lowers and not probe.fused
-        assert "does not lower on cpu" in probe.detail
+        assert not probe.fused
+        if _SCALED_MATMUL_ON_CPU:
+            assert probe.lowers and "dequantize-then-dot" in probe.detail
+        else:
+            assert not probe.lowers and "does not lower on cpu" in probe.detail
     assert probe_scaled_matmul() is probe  # once per device
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _SCALED_MATMUL_ON_CPU, reason="jax.nn.scaled_matmul lowers on CPU from JAX 0.11")
+@pytest.mark.parametrize("flag, lhs_shape, rhs_shape", CASES[:1] + CASES[2:3])
+def test_real_scaled_matmul_on_cpu_equals_its_documented_semantics(flag, lhs_shape, rhs_shape):
+    """The xla backend with JAX's own `scaled_matmul` (CPU lowering, JAX >= 0.11) against the
+    same backend on `scaled_matmul_reference`, outputs and both gradients: bit for bit. Both
+    dequantize exactly (E2M1 x E4M3 products are exact in fp32) and accumulate the same fp32
+    products over K in one dot; measured equal on these shapes (jax 0.12.0.1, XLA:CPU)."""
+    x, w = _data(lhs_shape, 1), _data(rhs_shape, 2, jnp.float32, 0.05)
+    g = _data(lhs_shape[:-1] + rhs_shape[-1:], 3, jnp.float32)
+    real = make_backend("xla")
+    got = _fwd_bwd_jit(flag, real, x, w, g)
+    want = _fwd_bwd_jit(flag, XLA, x, w, g)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), err_msg=name)
 
 
 def test_cudnn_kernel_is_recognised_in_compiled_hlo():
