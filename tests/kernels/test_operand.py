@@ -103,8 +103,24 @@ def test_kernels_lower_to_triton(copies):
     keys = [jax.ShapeDtypeStruct((), jax.random.key(0).dtype)] * len(copies)
     fn = jax.jit(lambda x, keys: fused_quantize(x, copies, [k if c.stochastic else None for c, k in zip(copies, keys)],
                                                 interpret=False))
-    text = fn.trace(x, keys).lower(lowering_platforms=("cuda",)).as_text()
+    with _abstract_gpu():
+        text = fn.trace(x, keys).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 2  # the amax kernel and the quantize kernel
+
+
+def _abstract_gpu():
+    """A context in which Pallas's Triton lowering may target a GPU that is not here. JAX >= 0.11
+    asks the device for its compute capability and, without one, for an abstract GPU device on the
+    abstract mesh (a B200 here: the kernels' target); JAX 0.10 needs nothing."""
+    import contextlib
+
+    from jax._src import mesh as mesh_lib  # AbstractDevice is not exported
+
+    if not hasattr(mesh_lib, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA B200", num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 # --- the emulation really reaches inside interpreted kernels --------------------------------------
