@@ -118,8 +118,8 @@ def tensor_factors(amax: jax.Array) -> TensorFactors:
     enc = min(1 / (s_b * S_dec), FLT_MAX), so blocks look both up by their scale's byte instead
     of dividing. Correctly rounded on every backend (`exact` where hardware arithmetic may not
     be). Three exact divisions and one exact product in all, the two that need only amax in one
-    call; the results leave as one array through one `computed_once`, so XLA computes each
-    once, not once per consumer.
+    call; each result leaves through `computed_once`, so XLA computes it once, not once per
+    consumer (the table in the shape the blocks' gather reads).
     """
     (quotients,) = F.computed_once(exact.div(jnp.stack([jnp.float32(F.NVFP4_GLOBAL_SCALE), amax]),
                                              jnp.stack([amax, jnp.float32(F.NVFP4_GLOBAL_SCALE)])))
@@ -130,9 +130,9 @@ def tensor_factors(amax: jax.Array) -> TensorFactors:
     # every IEEE backend. The other factors can be subnormal: `exact` rounds them.
     mult = s_enc * _ONE_SIXTH
     enc = jnp.minimum(exact.div(1.0, exact.mul(_E4M3_VALUES, s_dec)), jnp.float32(F.FLT_MAX))
-    (packed,) = F.computed_once(jnp.concatenate([jnp.stack([mult, _tiny_multiplier(mult), quotients[1]]), enc]))
-    table = jnp.stack([jnp.asarray(_E4M3_VALUES), packed[3:]], axis=-1)
-    return TensorFactors(packed[0], packed[1], table, packed[2])
+    scalars, table = F.computed_once(jnp.stack([mult, _tiny_multiplier(mult), quotients[1]]),
+                                     jnp.stack([jnp.asarray(_E4M3_VALUES), enc], axis=-1))
+    return TensorFactors(scalars[0], scalars[1], table, scalars[2])
 
 
 def block_scales(amax_b: jax.Array, mult: jax.Array, mult_tiny: jax.Array) -> jax.Array:
