@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import assert_within, attention_error_bounds
 
 from nvfp4_jax.model.attention import (
     CHUNKED_ABOVE, causal_attention, fused_api_attention, select_attention,
@@ -43,6 +44,18 @@ def _forward_and_grads(fn, q, k, v, dy, seg):
     return (y, *vjp(dy))
 
 
+def _assert_fp32_exact_within_bounds(outs, q, k, v, dy, seg, key_blocks=1, what=""):
+    """Each of out, dq, dk, dv within the a-priori fp32 rounding bound of the exact (float64)
+    attention (tests/tolerance.py); `key_blocks`: the online softmax's rescalings. Two kernels
+    that pass agree within the sum of their bounds. A wrong mask, scale or head grouping moves
+    outputs by a large part of them, a bf16 intermediate by ~2^-9 relative: far outside."""
+    bounds = attention_error_bounds(q, k, v, dy, segment_ids=seg, key_blocks=key_blocks)
+    for name, a in zip(("out", "dq", "dk", "dv"), outs):
+        assert a.dtype == jnp.float32, name
+        want, bound = bounds[name]
+        assert_within(a, want, bound, f"{what} {name}")
+
+
 def _assert_close(ours, theirs, tols, names=("out", "dq", "dk", "dv")):
     for name, a, b, tol in zip(names, ours, theirs, tols):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -63,7 +76,8 @@ def test_chunked_matches_dot_product_in_fp32_forward_and_gradients(L, block, kv_
     ours = jax.jit(lambda *a: _forward_and_grads(_chunked(block), *a, seg))(q, k, v, dy)
     ref = jax.jit(lambda *a: _forward_and_grads(causal_attention, *a, seg))(q, k, v, dy)
     # Same fp32 scores; only the softmax's order of operations differs (online vs at once).
-    _assert_close(ours, ref, (1e-6,) * 4)
+    _assert_fp32_exact_within_bounds(ours, q, k, v, dy, seg, key_blocks=-(-L // block), what="chunked")
+    _assert_fp32_exact_within_bounds(ref, q, k, v, dy, seg, what="dot_product")
 
 
 def test_chunked_matches_dot_product_in_bf16():
@@ -72,7 +86,8 @@ def test_chunked_matches_dot_product_in_bf16():
     ours = jax.jit(lambda *a: _forward_and_grads(_chunked(16), *a, seg))(q, k, v, dy)
     ref = jax.jit(lambda *a: _forward_and_grads(causal_attention, *a, seg))(q, k, v, dy)
     # Both round probabilities to bf16 before the products with V (2^-8 relative each), the
-    # chunked kernel before normalising them: bf16-sized differences, gradients more so.
+    # chunked kernel before normalising them: bf16-sized differences, gradients more so (far
+    # above fp32 noise, so a hand-set tolerance, not an fp32 bound).
     _assert_close(ours, ref, (2e-2, 6e-2, 6e-2, 6e-2))
 
 
@@ -81,19 +96,25 @@ def test_fused_api_mask_from_segments_matches_dot_product():
     seg = _segments(24)
     ours = jax.jit(lambda *a: _forward_and_grads(_xla_fused, *a, seg))(q, k, v, dy)
     ref = jax.jit(lambda *a: _forward_and_grads(causal_attention, *a, seg))(q, k, v, dy)
-    _assert_close(ours, ref, (2e-6, 2e-5, 2e-5, 2e-5))
+    _assert_fp32_exact_within_bounds(ours, q, k, v, dy, seg, what="fused xla")
+    _assert_fp32_exact_within_bounds(ref, q, k, v, dy, seg, what="dot_product")
 
 
-@pytest.mark.parametrize("fn", [causal_attention, _chunked(8), _xla_fused], ids=["dot_product", "chunked", "fused_xla"])
-def test_a_packed_row_equals_each_document_attended_alone(fn):
+@pytest.mark.parametrize("fn, key_blocks", [(causal_attention, 1), (_chunked(8), 4), (_xla_fused, 1)],
+                         ids=["dot_product", "chunked", "fused_xla"])
+def test_a_packed_row_equals_each_document_attended_alone(fn, key_blocks):
     L = 30
     q, k, v, _ = _qkv(L, 2, B=1)
     bounds = [0, 7, 19, 30]  # documents of 7, 12 and 11 tokens
     seg = jnp.asarray(np.repeat([1, 2, 3], np.diff(bounds))[None], jnp.int32)
     packed = np.asarray(jax.jit(lambda q, k, v: fn(q, k, v, segment_ids_BxL=seg))(q, k, v))
+    # Exactly, the packed row's documents are the documents alone; in fp32 each side is within
+    # its rounding bound of that (chunked: 4 key blocks of 8).
+    packed_bound = attention_error_bounds(q, k, v, segment_ids=seg, key_blocks=key_blocks)["out"][1]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         alone = np.asarray(causal_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi]))
-        np.testing.assert_allclose(packed[:, lo:hi], alone, atol=2e-6, rtol=0)
+        alone_bound = attention_error_bounds(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi])["out"][1]
+        assert_within(packed[:, lo:hi], alone, packed_bound[:, lo:hi] + alone_bound, f"document {lo}:{hi}")
 
 
 @pytest.mark.parametrize("segmented", [False, True])
@@ -126,8 +147,11 @@ def test_chunked_never_reads_key_blocks_above_the_diagonal():
     assert np.isfinite(out[:, : 2 * C]).all() and np.isnan(out[:, 2 * C:]).all()
     assert np.isnan(np.asarray(causal_attention(q, k, v))[:, : 2 * C]).all()
     clean_q, clean_k, clean_v, _ = _qkv(L, 2)
-    np.testing.assert_allclose(out[:, : 2 * C], np.asarray(causal_attention(clean_q, clean_k, clean_v))[:, : 2 * C],
-                               atol=2e-6, rtol=0)
+    # The first two blocks' rows see the clean keys only: chunked (5 key blocks at most) and
+    # dot_product each within their fp32 bound of the exact attention of the clean inputs.
+    bound = sum(attention_error_bounds(clean_q, clean_k, clean_v, key_blocks=n)["out"][1] for n in (L // C, 1))
+    assert_within(out[:, : 2 * C], np.asarray(causal_attention(clean_q, clean_k, clean_v))[:, : 2 * C],
+                  bound[:, : 2 * C])
 
 
 def test_chunked_backward_never_reads_query_blocks_below_the_diagonal():

@@ -6,7 +6,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_dtypes
 import pytest
+from tolerance import (
+    DIVISION_ROUNDINGS, TRANSCENDENTAL_ROUNDINGS, U, assert_within, attention_error_bounds, gamma,
+)
 
 from nvfp4_jax.config import ModelConfig, make_config
 from nvfp4_jax.flops import parameter_count
@@ -145,15 +149,30 @@ def _rope_reference(x_LxK, positions, inv_freq):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
+def _rope_bound(x_LxK, positions, inv_freq):
+    """fp32 rounding bound of apply_rope per element: the angle position * fl32(inv_freq) is
+    rounded twice (gamma(2) |angle| absolute, the large angles' share), cos and sin err by
+    TRANSCENDENTAL_ROUNDINGS u, then two products and a sum: |x1| + |x2| times all that."""
+    x = np.asarray(x_LxK, np.float64)
+    half = x.shape[-1] // 2
+    angle = np.abs(np.outer(positions, inv_freq))
+    pair = np.abs(x[:, :half]) + np.abs(x[:, half:])
+    b = pair * (gamma(2) * angle + (TRANSCENDENTAL_ROUNDINGS + 3) * U)
+    return np.concatenate([b, b], axis=-1)
+
+
 def test_rope_matches_complex_rotation_and_preserves_norms():
     inv_freq = rope_frequencies(16, 500_000.0)
     x_1xLx1xK = jax.random.normal(jax.random.PRNGKey(0), (1, 12, 1, 16), jnp.float32)
     positions = np.arange(0, 1200, 100)
     rotated = np.asarray(apply_rope(x_1xLx1xK, jnp.asarray(positions), inv_freq))[0, :, 0]
-    expected = _rope_reference(np.asarray(x_1xLx1xK)[0, :, 0], positions, inv_freq)
-    np.testing.assert_allclose(rotated, expected, atol=2e-5)
-    np.testing.assert_allclose(np.linalg.norm(rotated, axis=-1),
-                               np.linalg.norm(np.asarray(x_1xLx1xK)[0, :, 0], axis=-1), rtol=1e-5)
+    x = np.asarray(x_1xLx1xK)[0, :, 0]
+    expected = _rope_reference(x, positions, inv_freq)
+    bound = _rope_bound(x, positions, inv_freq)  # ~1e-4 at position 1100: the fp32 angle
+    assert_within(rotated, expected, bound, "rotated")
+    # A rotation keeps the norm: the rotated vector's norm is off by at most the error's norm.
+    assert_within(np.linalg.norm(rotated, axis=-1), np.linalg.norm(x.astype(np.float64), axis=-1),
+                  np.linalg.norm(bound, axis=-1), "norms")
 
 
 def test_rope_score_depends_only_on_relative_position():
@@ -165,10 +184,20 @@ def test_rope_score_depends_only_on_relative_position():
         kn = apply_rope(k, jnp.array([n]), inv_freq)
         return float(jnp.sum(qm * kn))
 
+    def bound(m, n):
+        """fp32 rounding bound of score(m, n): both rotations' errors (`_rope_bound`) through
+        the 16-term product sum, plus that sum's own gamma(16)."""
+        q64, k64 = (np.asarray(a, np.float64).reshape(1, 16) for a in (q, k))
+        eq, ek = _rope_bound(q64, [m], inv_freq), _rope_bound(k64, [n], inv_freq)
+        # |a rotated element| <= |x1| + |x2| of its pair; computed, plus its error.
+        pq, pk = (np.concatenate([np.abs(a[:, :8]) + np.abs(a[:, 8:])] * 2, -1) for a in (q64, k64))
+        return float((eq * (pk + ek) + pq * ek).sum() + gamma(16) * ((pq + eq) * (pk + ek)).sum())
+
+    # Exactly, the score depends on n - m only; in fp32 each side is within its bound.
     for m, n in ((5, 2), (3, 9), (7, 7)):
         for shift in (1, 17, 250):
-            assert score(m + shift, n + shift) == pytest.approx(score(m, n), abs=1e-4)
-    assert abs(score(5, 2) - score(5, 3)) > 1e-3
+            assert abs(score(m + shift, n + shift) - score(m, n)) <= bound(m + shift, n + shift) + bound(m, n)
+    assert abs(score(5, 2) - score(5, 3)) > max(1e-3, bound(5, 2) + bound(5, 3))
 
 
 def _llama31_frequencies_reference(dim, theta, factor, low, high, old_context):
@@ -223,9 +252,9 @@ def test_causal_attention_matches_float64_reference(kv_heads):
     q = jax.random.normal(kq, (2, 6, 4, 8), jnp.float32)
     k = jax.random.normal(kk, (2, 6, kv_heads, 8), jnp.float32)
     v = jax.random.normal(kv, (2, 6, kv_heads, 8), jnp.float32)
-    # fp32 inputs: the only error is fp32 rounding.
+    # fp32 inputs: the only error is fp32 rounding, within its a-priori bound (tests/tolerance.py).
     got = jax.jit(causal_attention)(q, k, v)
-    np.testing.assert_allclose(got, _attention_reference(q, k, v), atol=1e-5)
+    assert_within(got, _attention_reference(q, k, v), attention_error_bounds(q, k, v)["out"][1])
 
 
 def test_rmsnorm_matches_numpy():
@@ -234,8 +263,11 @@ def test_rmsnorm_matches_numpy():
     norm = RMSNorm(epsilon=1e-5, dtype=jnp.float32)
     out = norm.apply({"params": {"scale": scale}}, x)
     xd = np.asarray(x, np.float64)
-    expected = xd / np.sqrt(np.mean(xd**2, axis=-1, keepdims=True) + 1e-5) * np.asarray(scale)
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    expected = xd / np.sqrt(np.mean(xd**2, axis=-1, keepdims=True) + np.float32(1e-5)) * np.asarray(scale)
+    # fp32: a mean of 16 squares (positive terms: 16 + the division's roundings, relative), + eps,
+    # rsqrt, then two products: gamma(16 + DIVISION + 1 + TRANSCENDENTAL + 2) of |expected|.
+    rtol = gamma(16 + DIVISION_ROUNDINGS + 1 + TRANSCENDENTAL_ROUNDINGS + 2)
+    assert_within(out, expected, rtol * np.abs(expected))
 
 
 def _abstract_param_count(cfg):
@@ -292,12 +324,21 @@ def test_embedding_gradient_adds_repeated_tokens_in_fp32():
     embed = Embed(vocab_size=8, features=16)
     tokens = jnp.zeros((4, 256), jnp.int32).at[:, ::2].set(3)  # token 3 and token 0, 512 times each
     variables = nn.meta.unbox(embed.init(jax.random.PRNGKey(0), tokens))
-    dy = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 16), jnp.float32).astype(jnp.bfloat16)
+    # Multiples of 1/8 up to 2 in magnitude (exact in bf16): every partial sum of 512 of them is
+    # a multiple of 1/8 below 1024, exact in fp32 in any order, so the fp32 gradient is the
+    # exact sum bit for bit. A bf16 accumulator (8 significant bits) cannot hold those sums.
+    steps = jax.random.randint(jax.random.PRNGKey(1), (4, 256, 16), -16, 17)
+    dy = (steps.astype(jnp.float32) / 8).astype(jnp.bfloat16)
     _, vjp = jax.vjp(lambda p: embed.apply({"params": p}, tokens), variables["params"])
     grad = np.asarray(vjp(dy)[0]["embedding"])
     dy64 = np.asarray(dy, np.float64)
     want = np.zeros((8, 16))
     np.add.at(want, np.asarray(tokens).ravel(), dy64.reshape(-1, 16))
-    # fp32 accumulation of 512 terms: a few fp32 ulps; a bf16 sum would be off by ~1e-2.
-    np.testing.assert_allclose(grad, want, rtol=0, atol=1e-4)
+    assert grad.dtype == np.float32
+    np.testing.assert_array_equal(grad, want)
     assert np.all(grad[[1, 2, 4, 5, 6, 7]] == 0)
+    # The data can tell: the same sums accumulated in bf16 (in token order) are not the exact ones.
+    bf16_sum = np.zeros((8, 16), ml_dtypes.bfloat16)
+    for t, row in zip(np.asarray(tokens).ravel(), np.asarray(dy).reshape(-1, 16)):
+        bf16_sum[t] = (bf16_sum[t] + row).astype(ml_dtypes.bfloat16)
+    assert not np.array_equal(bf16_sum.astype(np.float64), want)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from backend_arithmetic import perturbed_arithmetic
+from tolerance import error_statistic_rtol
 from nvfp4_jax import kernels
 from nvfp4_jax.config import ConfigError, load_config
 from nvfp4_jax.quant import (
@@ -97,8 +98,13 @@ def test_the_weight_operand_has_the_codes_of_the_bf16_kernel():
     # The statistics of W are those of quantizing W.astype(bf16) with 16x16 tiles.
     want = jax.jit(lambda w: health.nvfp4_stats(w.astype(jnp.bfloat16), axis=0, two_d=True))(w)
     for name, value in want.items():
-        # Counts and maxima are exact; the error norm's sums may fuse differently (1 ulp).
-        assert float(measured["w"][name]) == pytest.approx(float(value), rel=1e-6, abs=0), name
+        # Counts and maxima are exact; the error norm's sums may fuse differently (two fp32
+        # evaluations of the same sums: twice the bound of one).
+        if name == "error":
+            rtol = 2 * error_statistic_rtol(w.size)
+            assert float(measured["w"][name]) == pytest.approx(float(value), rel=rtol, abs=0), name
+        else:
+            assert float(measured["w"][name]) == float(value), name
     # The amax the per-tensor scale comes from is the bf16 kernel's, not the fp32 master's.
     amax_bf16 = float(jnp.max(jnp.abs(w.astype(jnp.bfloat16))))
     assert float(measured["w"]["amax"]) == amax_bf16 != float(jnp.max(jnp.abs(w)))

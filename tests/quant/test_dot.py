@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from bitwise import assert_same_bits
 from jax import lax
+from tolerance import assert_close_to_sum, einsum_with_terms
 
 from nvfp4_jax.quant import (
     dequantize,
@@ -92,8 +93,9 @@ def test_bf16_is_exactly_lax_dot_general(flag):
 def test_forward_equals_dequantized_product():
     """Y == dequantize(Q(X)) @ dequantize(Q_2D(W)), the reference product taken in float64.
 
-    Tolerance: the GEMM accumulates K=64 exact products in fp32, so 1e-6 relative per element
-    (plus 1e-6 of the output's scale for cancellations).
+    Tolerance (tests/tolerance.py): the GEMM sums K=64 exact E2M1 x E4M3 products in fp32 and
+    multiplies by alpha = decode_x * decode_w (2 roundings); each dequantized factor of the
+    reference is rounded once: gamma(K + 3) * sum|terms|, about 4e-6 of it.
     """
     x = _data((2, 16, K), 4)  # leading dims flatten into T=32 tokens
     w = _data((K, N), 5)
@@ -103,8 +105,8 @@ def test_forward_equals_dequantized_product():
     assert y.shape == (2, 16, N) and y.dtype == jnp.float32
     x_hat = _deq_nvfp4(x.reshape(T, K), axis=-1)
     w_hat = _deq_nvfp4(w, two_d=True)
-    ref = (x_hat @ w_hat).reshape(2, 16, N)
-    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    ref, terms = einsum_with_terms("tk,kn->tn", x_hat, w_hat)
+    assert_close_to_sum(y, ref.reshape(2, 16, N), terms.reshape(2, 16, N), n=K, extra_roundings=3)
 
 
 def test_forward_bf16_output_is_the_rounded_fp32_product(xwg):
@@ -227,10 +229,11 @@ def _as(xwg, dtypes):
     return x.astype(act), w.astype(weight), g.astype(jnp.result_type(act, weight))
 
 
-def _assert_gemm_close(got, want):
-    """fp32 accumulation-order tolerance, plus one rounding when the output is bf16."""
-    rtol = 2.0**-8 if got.dtype == jnp.bfloat16 else 1e-5
-    np.testing.assert_allclose(_np(got), want, rtol=rtol, atol=rtol * np.abs(want).max())
+def _assert_gemm_close(got, want, terms, n):
+    """An fp32 GEMM of exact products (n terms) times the decode scales' product (2 roundings)
+    against the float64 product of its dequantized operands (rounded once each), plus one
+    rounding when the output is bf16 (tests/tolerance.py)."""
+    assert_close_to_sum(got, want, terms, n, extra_roundings=3, out_dtype=got.dtype)
 
 
 @pytest.mark.parametrize("dtypes", OPERAND_DTYPES)
@@ -268,8 +271,8 @@ def test_every_gemm_sees_its_spec_operands_on_the_fp4_grid(flag, dtypes, xwg):
         assert not np.array_equal(_np(got["dgrad"][1]), _np(got["fprop"][1]))
 
     # And the output is the dot times the per-tensor decode scales (dequantize equality).
-    want_dw = _np(want["wgrad_dequantized"][0]).T @ _np(want["wgrad_dequantized"][1])
-    _assert_gemm_close(dw, want_dw)
+    want_dw, terms = einsum_with_terms("tk,tn->kn", *(_np(a) for a in want["wgrad_dequantized"]))
+    _assert_gemm_close(dw, want_dw, terms, n=x.shape[0])  # WGRAD sums over the tokens
 
 
 def test_sr_copies_of_dy_get_different_keys():
@@ -424,8 +427,10 @@ def test_fp8_current_scaling_gemms(dtypes, xwg):
 
     y, dx, dw = _fwd_bwd_jit("te_fp8_currentscaling", None, x, w, g)
     qx, qw, qg = map(_np, refs(x, w, g, scale(x, "e4m3"), scale(w, "e4m3"), scale(g, "e5m2")))
-    for got, want in [(y, qx @ qw), (dx, qg @ qw.T), (dw, qx.T @ qg)]:
-        _assert_gemm_close(got, want)
+    for got, (want, terms), n in [(y, einsum_with_terms("tk,kn->tn", qx, qw), K),
+                                  (dx, einsum_with_terms("tn,kn->tk", qg, qw), N),
+                                  (dw, einsum_with_terms("tk,tn->kn", qx, qg), T)]:
+        _assert_gemm_close(got, want, terms, n)
 
 
 @pytest.mark.parametrize("dtypes", OPERAND_DTYPES)
@@ -439,8 +444,10 @@ def test_mxfp4_gemms(dtypes, xwg):
 
     y, dx, dw = _fwd_bwd_jit("mxfp4", None, x, w, g)
     x0, x1, w0, w1, g0, g1 = map(_np, refs(x, w, g))
-    for got, want in [(y, x1 @ w0), (dx, g1 @ w1.T), (dw, x0.T @ g0)]:
-        _assert_gemm_close(got, want)
+    for got, (want, terms), n in [(y, einsum_with_terms("tk,kn->tn", x1, w0), K),
+                                  (dx, einsum_with_terms("tn,kn->tk", g1, w1), N),
+                                  (dw, einsum_with_terms("tk,tn->kn", x0, g0), T)]:
+        _assert_gemm_close(got, want, terms, n)
 
 
 def test_mxfp4_nvfp4_recipe_gradients_close_to_fp32_and_reproducible(xwg):
@@ -518,7 +525,10 @@ def test_fp8_has_no_block_constraint():
     y = jax.jit(lambda a, b: dot(a, b, DIMS, preferred_element_type=jnp.float32))(x, w)
     x_hat, w_hat = (np.asarray(dequantize_fp8(quantize_fp8(a, np.float32(448) / np.float32(np.abs(_np(a)).max()), "e4m3")),
                                np.float64) for a in (x, w))
-    np.testing.assert_allclose(np.asarray(y), x_hat @ w_hat, rtol=1e-6, atol=1e-6 * np.abs(x_hat @ w_hat).max())
+    # Exact E4M3 products, a K=5 fp32 sum, alpha (2 roundings); data * scale_inv rounded once
+    # per reference factor: gamma(K + 3).
+    want, terms = einsum_with_terms("tk,kn->tn", x_hat, w_hat)
+    assert_close_to_sum(y, want, terms, n=5, extra_roundings=3)
     assert _rel(x_hat @ w_hat, _np(x) @ _np(w)) > 1e-4  # the operands really were quantized
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import assert_close_to_sum, einsum_with_terms, gamma
 
 from nvfp4_jax.quant import (
     dequantize,
@@ -23,7 +24,8 @@ from nvfp4_jax.quant import (
     unpack_codes,
     xla_operand,
 )
-from nvfp4_jax.quant.dot import sr_keys
+from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm, sr_keys
+from nvfp4_jax.quant.nvfp4 import gemm_operand
 from nvfp4_jax.quant.xla_backend import (
     BlockScaledOperand,
     ScaledMatmulGemm,
@@ -156,8 +158,11 @@ def test_each_gemm_hands_scaled_matmul_the_spec_operands():
     # The decode scales multiply the fp32 result: FPROP equals the dequantized product.
     q_x = _three_forms(x, None, (("axis", 1),))[1]
     q_w = _three_forms(w, None, (("axis", 0), ("two_d", True)))[1]
-    want_y = np.asarray(dequantize(q_x), np.float64) @ np.asarray(dequantize(q_w), np.float64)
-    np.testing.assert_allclose(np.asarray(y, np.float64), want_y, rtol=2**-8, atol=2**-8 * np.abs(want_y).max())
+    want_y, terms = einsum_with_terms("tk,kn->tn", dequantize(q_x), dequantize(q_w))
+    # y: exact E2M1 x E4M3 products, a K=64 fp32 sum, times alpha = decode_x * decode_w (2
+    # roundings); each dequantized factor of the reference is rounded once: gamma(K + 3). A
+    # missing decode scale is off by a factor amax / 2688, far outside it.
+    assert_close_to_sum(y, want_y, terms, n=64, extra_roundings=3, out_dtype=y.dtype)
 
 
 # --- outputs and gradients vs the emulated backend ---------------------------------------------
@@ -172,6 +177,16 @@ def _fwd_bwd(flag, backend, x, w, g):
 
 
 _fwd_bwd_jit = jax.jit(_fwd_bwd, static_argnums=(0, 1))
+
+
+def _abs_operand(x, spec, key=None):
+    values, decode = gemm_operand(x, spec, key)
+    return jnp.abs(values), jnp.abs(decode)
+
+
+# The emulated GEMMs on |operands|: sum|terms| of each of the three GEMMs, whatever operands
+# (2D W, RHT, SR with its key) the recipe quantizes.
+ABS_TERMS = NVFP4Backend("abs terms", _abs_operand, emulated_gemm)
 
 # The model's shapes: [batch, seq, D] x [D, F] (gate/up) and [batch, seq, F] x [F, D] (down),
 # with bf16 activations and an fp32 master weight, and a plain 2-D token matrix.
@@ -191,12 +206,17 @@ def test_outputs_and_gradients_match_the_emulated_backend(flag, lhs_shape, rhs_s
     g = _data(lhs_shape[:-1] + rhs_shape[-1:], 3, jnp.float32)
     got = _fwd_bwd_jit(flag, XLA, x, w, g)
     want = _fwd_bwd_jit(flag, None, x, w, g)
-    for name, a, b in zip(("y", "dx", "dw"), got, want):
+    terms = _fwd_bwd_jit(flag, ABS_TERMS, x, w, g)
+    # Reduction lengths: K for Y, N for dX, the T tokens for dW.
+    lengths = (lhs_shape[-1], rhs_shape[-1], int(np.prod(lhs_shape[:-1])))
+    for name, a, b, t, n in zip(("y", "dx", "dw"), got, want, terms, lengths):
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        # fp32 accumulation order, plus one rounding where the result is bf16 (dX in X's dtype).
-        tol = 2.0**-8 if a.dtype == jnp.bfloat16 else 1e-5
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+        # Both backends sum the same exact products (the same operands, bit for bit) in fp32 in
+        # their own order, then multiply by the same alpha: n + 1 roundings a side, two sides,
+        # plus one rounding to bf16 where the result is (dX in X's dtype). sum|terms| is itself an
+        # fp32 (dX: bf16) GEMM of positive terms, so within 2**-8 of exact: 1 + 2**-7 covers it.
+        t = np.asarray(t, np.float64) * (1 + 2.0**-7)
+        assert_close_to_sum(a, b, t, n, extra_roundings=1, sides=2, out_dtype=a.dtype, what=name)
 
 
 def test_a_wrong_scale_layout_would_be_caught():
@@ -234,14 +254,27 @@ def test_quant_dot_general_runs_the_xla_backend():
 
         def loss(x, w):
             y = mod.apply({}, x, w, dims, preferred_element_type=jnp.float32, rngs=quant_rngs(KEY))
-            return jnp.mean(jnp.square(y))
+            return jnp.mean(jnp.square(y)), y
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
 
-    (l_xla, g_xla), (l_emu, g_emu) = loss_and_grads(XLA), loss_and_grads(make_backend("emulated"))
-    np.testing.assert_allclose(float(l_xla), float(l_emu), rtol=1e-5)
+    ((l_xla, y_xla), g_xla), ((l_emu, y_emu), g_emu) = loss_and_grads(XLA), loss_and_grads(make_backend("emulated"))
+    # Y: the same exact products summed in two orders (as above, K = 32). The loss, mean(Y^2):
+    # |l_xla - l_emu| <= mean(|y_xla^2 - y_emu^2|) + each side's rounding of its mean of squares
+    # (a square, the n - 1 additions, the division by n: gamma(n + 5) of the mean each).
+    (_, y_terms), _ = loss_and_grads(ABS_TERMS)
+    y_terms = np.asarray(y_terms, np.float64) * (1 + 2.0**-7)
+    assert_close_to_sum(y_xla, y_emu, y_terms, 32, extra_roundings=1, sides=2, what="y")
+    ya, yb = np.asarray(y_xla, np.float64), np.asarray(y_emu, np.float64)
+    n = ya.size
+    loss_bound = np.mean(np.abs(ya**2 - yb**2)) + gamma(n + 5) * (float(l_xla) + float(l_emu))
+    assert abs(float(l_xla) - float(l_emu)) <= loss_bound
     for a, b in zip(g_xla, g_emu):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        # Not an fp32 bound: dY = 2 Y / n is quantized (SR) from each backend's own Y, which may
+        # differ in the last bits, so an E2M1 code (or dY's amax, hence every scale) may flip.
+        # One bf16 ulp of the largest gradient is far above fp32 noise and far below what a wrong
+        # operand (test_a_wrong_scale_layout_would_be_caught: 5%) does.
         np.testing.assert_allclose(a, b, rtol=2**-8, atol=2**-8 * np.abs(b).max())
 
 
@@ -287,12 +320,19 @@ def test_scaled_matmul_argument_errors(shapes, match):
 
 
 def test_reference_matches_its_documented_formula():
+    """The reference is elementwise v * scale in fp32, then a K=32 fp32 dot. Against the exact
+    formula on the same fp32 inputs (float64: a * s is exact there), each term went through 2
+    roundings (the two dequantized factors) before the dot's own gamma(K): the bound is
+    gamma(K + 2) * sum|terms|, about 2e-6 of it. A dropped or misplaced scale (factors in
+    [0.5, 2]) or a transposed operand moves an element by a large part of sum|terms|."""
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((2, 8, 32)), rng.standard_normal((2, 4, 32))
     sa, sb = rng.uniform(0.5, 2, (2, 8, 2)), rng.uniform(0.5, 2, (2, 4, 2))
-    want = np.einsum("bmk,bnk->bmn", a * np.repeat(sa, 16, -1), b * np.repeat(sb, 16, -1))
+    a, b, sa, sb = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, sa, sb))
+    want, terms = einsum_with_terms("bmk,bnk->bmn", a * np.repeat(sa, 16, -1), b * np.repeat(sb, 16, -1))
     got = scaled_matmul_reference(*(jnp.asarray(v, jnp.float32) for v in (a, b, sa, sb)))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+    assert got.dtype == jnp.float32
+    assert_close_to_sum(got, want, terms, n=32, extra_roundings=2)
 
 
 # --- the start-up probe -----------------------------------------------------------------------

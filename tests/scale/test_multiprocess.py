@@ -56,4 +56,6 @@ def test_two_process_run_matches_the_single_process_run(tmp_path):
     assert len(two_process) == 3
     # Same global batch (each process fed only its rows), same parameters, same numerics.
     assert two_process[0] == one_process[0]
+    # Later steps start from gradients summed across the processes in another order, which FP4
+    # rounding amplifies (E2M1 codes flip): quantization-sized differences, far above fp32 noise.
     assert two_process == pytest.approx(one_process, rel=5e-3)

@@ -52,7 +52,7 @@ def test_plan_prints_flops_per_step(capsys):
     cfg = load_config(["model_name=llama3-8b", "max_target_length=8192"])
     expected = flops.training_flops_per_step(cfg.model, 16, 8192)
     printed = float(re.search(r"model FLOPs per step: ([\d.e+]+)", out).group(1))
-    assert printed == pytest.approx(expected, rel=1e-4)
+    assert printed == pytest.approx(expected, rel=1e-4)  # printed with 5 significant digits (.4e)
 
 
 def test_plan_defaults_to_the_local_device_count(capsys):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from tolerance import DIVISION_ROUNDINGS, gamma
 
 from nvfp4_jax import sharding
 from nvfp4_jax.config import ConfigError, MeshConfig, load_config
@@ -79,6 +80,11 @@ def test_sharded_quantize_is_bitwise_the_unsharded_one(spec):
     assert float(s_got) == float(s_ref)
 
 
+# The mean loss of one step over a global batch of 8 x 64 tokens, on two meshes that compute
+# every token's loss alike and only sum them in another order (per device, then across
+# devices): two fp32 evaluations of a 512-term sum of positive terms and one division each.
+SAME_TOKENS_RTOL = 2 * gamma(8 * 64 + DIVISION_ROUNDINGS)  # 6e-5; measured: 8e-8
+
 TINY = ["model_name=tiny", "base_num_decoder_layers=2", "max_target_length=64", "log_period=1",
         "eval_steps=1", "eval_interval=1000", "enable_checkpointing=false", "quantization=te_nvfp4",
         "steps=3", "learning_rate=1e-2", "dtype=float32"]
@@ -105,10 +111,11 @@ def test_loss_trajectory_is_the_same_on_1_2x4_and_8_devices(tmp_path):
         assert len(trajectories[name]) == 3
         # Step 1: identical parameters and data, and every quantizer sees the global amax
         # (test_sharded_quantize_is_bitwise_the_unsharded_one); the loss still sums its tokens in
-        # another order (per device, then across devices), so allow a few fp32 ulps.
-        np.testing.assert_allclose(trajectories[name][0], first[0], rtol=1e-6, err_msg=name)
+        # another order (per device, then across devices): the bound of that sum.
+        np.testing.assert_allclose(trajectories[name][0], first[0], rtol=SAME_TOKENS_RTOL, err_msg=name)
         # Later steps start from gradients summed across devices in another order (fp32); FP4
-        # rounding amplifies those last-bit differences a little.
+        # rounding amplifies those last-bit differences (E2M1 codes flip): quantization-sized
+        # differences (measured up to 7e-4), far above fp32 noise.
         np.testing.assert_allclose(trajectories[name][1:], first[1:], rtol=5e-3, err_msg=name)
 
 
@@ -159,9 +166,10 @@ def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsh
         for a, b in zip(saved, jax.tree.leaves(restored)):
             np.testing.assert_array_equal(a, np.asarray(b))
         _, continued[name] = train_steps(mesh, restored, state_sh, [2, 3])
-    # The first continued step starts from identical state bits on both meshes (fp32 compute);
-    # the second from updates summed across devices in another order.
-    assert continued["2x4"][0] == pytest.approx(continued["1"][0], rel=1e-6)
+    # The first continued step starts from identical state bits on both meshes (fp32 compute),
+    # its tokens' losses summed in another order; the second from updates summed across devices
+    # in another order, which FP8 rounding amplifies: quantization-sized, far above fp32 noise.
+    assert continued["2x4"][0] == pytest.approx(continued["1"][0], rel=SAME_TOKENS_RTOL)
     np.testing.assert_allclose(continued["2x4"], continued["1"], rtol=5e-3)
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import error_statistic_rtol
 
 from nvfp4_jax.config import load_config
 from nvfp4_jax.quant import health
@@ -75,7 +76,12 @@ def test_stats_step_measures_each_quantized_projection_and_its_weight():
         # The dot quantizes the kernel in the compute dtype (bf16), as MaxText + TE do.
         want = jax.jit(lambda k: health.nvfp4_stats(k.astype(jnp.bfloat16), axis=0, two_d=True))(kernel)
         for name, value in want.items():
-            np.testing.assert_allclose(operands["w"][name], float(value), rtol=1e-5, err_msg=f"{proj} {name}")
+            # Counts and amax exact; the error's sums fused differently in the two programs.
+            if name == "error":
+                np.testing.assert_allclose(operands["w"][name], float(value), err_msg=f"{proj} {name}",
+                                           rtol=2 * error_statistic_rtol(kernel.size))
+            else:
+                assert operands["w"][name] == float(value), f"{proj} {name}"
         for op, values in operands.items():
             assert 0.0 < values["error"] < 0.5 and values["amax"] > 0, (proj, op, values)
 
