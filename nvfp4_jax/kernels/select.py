@@ -160,5 +160,5 @@ def with_operand_kernels(backend: NVFP4Backend, kernels: OperandKernels) -> NVFP
         return backend
     return dataclasses.replace(
         backend, name=f"{backend.name}+{kernels.name}", operand=kernels.operand,
-        operand_pair=kernels.operand_pair,
+        operand_pair=kernels.operand_pair, operand_group=None,  # the kernels quantize each operand
     )

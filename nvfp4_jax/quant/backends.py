@@ -165,7 +165,10 @@ def make_backend(
         return EMULATED if operand is None else NVFP4Backend("emulated", operand, emulated_gemm)
     if name == "xla":
         gemm = xla_backend.ScaledMatmulGemm(scaled_matmul)
-        return NVFP4Backend("xla", operand or xla_backend.block_scaled_operand, gemm)
+        if operand is not None:  # the caller's quantizer, each operand on its own
+            return NVFP4Backend("xla", operand, gemm)
+        return NVFP4Backend("xla", xla_backend.block_scaled_operand, gemm,
+                            operand_group=xla_backend.block_scaled_operand_group)
     if name == "te":
         if operand is not None:
             raise ValueError("quantization_backend=te: Transformer Engine quantizes its own operands")

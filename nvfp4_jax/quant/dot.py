@@ -26,6 +26,11 @@ What an NVFP4 backend varies is two small functions (STYLE.md, practice 15), bun
 - optionally `operand_pair(x, (spec, key), (spec, key))`: two operands of one tensor (dY's
   DGRAD and WGRAD copies); a fused quantizer (`nvfp4_jax.kernels`) reads x once for both.
   Without it, `operand` is called twice.
+- optionally `operand_group([(x, spec, key), ...])`: all the operands of one pass (FPROP's X
+  and W; the backward's two dY copies and X^T), bit for bit `operand` of each, with the
+  per-tensor factors computed together (`nvfp4.gemm_operand_group`): the program holds the
+  integer-built factors twice per GEMM instead of five times, which is what XLA's compile time
+  follows. Used in preference to `operand_pair` when both are given.
 
 Stochastic-rounding keys: the caller passes one key per step and layer (`QuantDotGeneral`
 draws it from the "quant" rng stream); the DGRAD and WGRAD copies of dY get
@@ -52,7 +57,7 @@ from nvfp4_jax.quant import formats as F
 from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.fp8 import quantize_fp8
 from nvfp4_jax.quant.mxfp4 import quantize_mxfp4_spec
-from nvfp4_jax.quant.nvfp4 import dequantize, gemm_operand
+from nvfp4_jax.quant.nvfp4 import dequantize, gemm_operand, gemm_operand_group
 from nvfp4_jax.quant.recipe import Recipe, get_recipe, operand_specs, recipe_name
 from nvfp4_jax.quant.spec import OperandSpec
 
@@ -92,6 +97,7 @@ class NVFP4Backend:
     operand: Callable = gemm_operand
     gemm: Callable = emulated_gemm
     operand_pair: Optional[Callable] = None
+    operand_group: Optional[Callable] = None
     # Transformer Engine's executor replaces the whole dot; this one runs the skeleton below.
     replaces_dot: ClassVar[bool] = False
 
@@ -106,8 +112,19 @@ class NVFP4Backend:
             return self.operand(x, *first), self.operand(x, *second)
         return self.operand_pair(x, first, second)
 
+    def group(self, items: list) -> list:
+        """`[operand(x, spec, key) for x, spec, key in items]`: the operands of one pass, their
+        per-tensor factors computed together when the backend can (`operand_group`); else dY's
+        pair (the first two items, when they share x) through `operands`."""
+        if self.operand_group is not None:
+            return list(self.operand_group(items))
+        if len(items) >= 2 and items[0][0] is items[1][0]:
+            (x, *first), (_, *second) = items[:2]
+            return [*self.operands(x, tuple(first), tuple(second)), *self.group(items[2:])]
+        return [self.operand(x, spec, key) for x, spec, key in items]
 
-EMULATED = NVFP4Backend()
+
+EMULATED = NVFP4Backend(operand_group=gemm_operand_group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,8 +280,7 @@ def _fwd(static: _Static, x_TxK, w_KxN, key, meta, stats):
     if static.w_cast is not None:
         w_KxN = w_KxN.astype(static.w_cast)
     # FPROP  Y = X . W
-    xq = _quantize(qs, specs["x"], x_TxK, aux, seen)
-    wq = _quantize(qs, specs["w"], w_KxN, aux, seen)
+    xq, wq = _quantize_group(qs, [(specs["x"], x_TxK), (specs["w"], w_KxN)], aux, seen)
     y_TxN = qs.gemm(xq, wq, _FPROP_DIMS, static.out_dtype)
     # The backward keeps the high-precision tensor where it quantizes it again, else the
     # forward's quantized one (its own transpose: 16x16 tiles, per-tensor FP8).
@@ -278,14 +294,18 @@ def _bwd(static: _Static, res, dy_TxN):
     (x_res, w_res, aux, state), seen = res
     qs = static.quantizers
     specs = qs.specs
-    # dY's DGRAD and WGRAD copies (one read of dY where the quantizer fuses them; FP8 uses one).
-    dyq, dyq_wgrad = _quantize_pair(qs, specs["dy"], specs["dy_wgrad"], dy_TxN, aux, seen)
+    # The backward's operands in one group: dY's DGRAD and WGRAD copies (one read of dY where
+    # the quantizer fuses them; FP8 uses one), and W and X again where the recipe quantizes
+    # them anew (None: the forward's quantized tensor serves).
+    roles = [r for r in ("dy", "dy_wgrad", "w_dgrad", "x_wgrad") if specs[r] is not None]
+    tensors = {"dy": dy_TxN, "dy_wgrad": dy_TxN, "w_dgrad": w_res, "x_wgrad": x_res}
+    got = dict(zip(roles, _quantize_group(qs, [(specs[r], tensors[r]) for r in roles], aux, seen)))
+    dyq = got["dy"]
+    dyq_wgrad = got.get("dy_wgrad", dyq)
     # DGRAD  dX = dY . W^T
-    wq_dgrad = w_res if specs["w_dgrad"] is None else _quantize(qs, specs["w_dgrad"], w_res, aux, seen)
-    dx_TxK = qs.gemm(dyq, wq_dgrad, _DGRAD_DIMS, static.x_dtype)
+    dx_TxK = qs.gemm(dyq, got.get("w_dgrad", w_res), _DGRAD_DIMS, static.x_dtype)
     # WGRAD  dW = X^T . dY
-    xq_wgrad = x_res if specs["x_wgrad"] is None else _quantize(qs, specs["x_wgrad"], x_res, aux, seen)
-    dw_KxN = qs.gemm(xq_wgrad, dyq_wgrad, _WGRAD_DIMS, static.w_dtype)
+    dw_KxN = qs.gemm(got.get("x_wgrad", x_res), dyq_wgrad, _WGRAD_DIMS, static.w_dtype)
     # Overwrite-with-gradient: the cotangent of this step's state is the next state, and the
     # statistics pytree's cotangent is the statistics.
     next_meta = None if state is None else qs.next_state(aux, {**state, "dy": dyq})
@@ -295,22 +315,13 @@ def _bwd(static: _Static, res, dy_TxN):
 _quantized_matmul.defvjp(_fwd, _bwd)
 
 
-def _quantize(qs: "Quantizers", spec: OperandSpec, x, aux, seen: Optional[dict]):
-    """Quantize one operand; the statistics hook: measured with the very spec and key used."""
+def _quantize_group(qs: "Quantizers", items: list, aux, seen: Optional[dict]) -> list:
+    """Quantize the `(spec, x)` operands of one pass; the statistics hook: each measured with
+    the very spec and key used."""
     if seen is not None:
-        seen[spec.role] = qs.measure(x, spec, aux)
-    return qs.quantize(x, spec, aux)
-
-
-def _quantize_pair(qs: "Quantizers", first: OperandSpec, second: Optional[OperandSpec], x, aux, seen):
-    """Two operands of one tensor (`second` None: the first serves both GEMMs)."""
-    if second is None:
-        q = _quantize(qs, first, x, aux, seen)
-        return q, q
-    if seen is not None:
-        seen[first.role] = qs.measure(x, first, aux)
-        seen[second.role] = qs.measure(x, second, aux)
-    return qs.quantize_pair(x, first, second, aux)
+        for spec, x in items:
+            seen[spec.role] = qs.measure(x, spec, aux)
+    return qs.quantize_group(items, aux)
 
 
 def _gemm(a, b, alpha, dims, out_dtype):
@@ -347,8 +358,10 @@ class Quantizers:
     def quantize(self, x, spec: OperandSpec, aux):
         raise NotImplementedError
 
-    def quantize_pair(self, x, first: OperandSpec, second: OperandSpec, aux):
-        return self.quantize(x, first, aux), self.quantize(x, second, aux)
+    def quantize_group(self, items: list, aux) -> list:
+        """The `(spec, x)` operands of one pass, quantized (each on its own unless the format
+        can do better)."""
+        return [self.quantize(x, spec, aux) for spec, x in items]
 
     def measure(self, x, spec: OperandSpec, aux):
         raise NotImplementedError
@@ -376,8 +389,8 @@ class NVFP4Quantizers(Quantizers):
     def quantize(self, x, spec, key):
         return self.backend.operand(x, spec, _sr_key(spec, key))
 
-    def quantize_pair(self, x, first, second, key):
-        return self.backend.operands(x, (first, _sr_key(first, key)), (second, _sr_key(second, key)))
+    def quantize_group(self, items, key):
+        return self.backend.group([(x, spec, _sr_key(spec, key)) for spec, x in items])
 
     def measure(self, x, spec, key):
         return health.nvfp4_spec_stats(x, spec, _sr_key(spec, key))

@@ -101,17 +101,23 @@ def _tiny_multiplier(mult: jax.Array) -> jax.Array:
 
 
 class TensorFactors(NamedTuple):
-    """The per-tensor factors of one amax (`tensor_factors`)."""
+    """The per-tensor factors of one amax, or of a vector of them (`tensor_factors`): each
+    field has the amaxes' shape in front."""
 
     mult: jax.Array  # fl32(S_enc * fl32(1/6)): block scales are amax_b * mult
     mult_tiny: jax.Array  # mult * 2**-149 where it matters, for subnormal block amaxes (`block_scales`)
-    table: jax.Array  # [128, 2]: (s_b, enc_b) per non-negative E4M3 byte
+    table: jax.Array  # [..., 128, 2]: (s_b, enc_b) per non-negative E4M3 byte
     decode: jax.Array  # S_dec of the GEMM: fl32(amax / 2688)
+
+    def at(self, i: int) -> "TensorFactors":
+        """The factors of the `i`-th amax of a vector."""
+        return TensorFactors(*(field[i] for field in self))
 
 
 def tensor_factors(amax: jax.Array) -> TensorFactors:
     """Per-tensor factors of `amax` (spec section 2): the block-scale multiplier, the
-    block-factor table and the decode scale.
+    block-factor table and the decode scale. `amax` is a float32 scalar, or a vector of the
+    amaxes of several tensors, which then share one computation (`quantize_blocks_group`).
 
     S_enc = min(2688 / amax, FLT_MAX) (1 when amax is Inf) and S_dec = 1 / S_enc. The table has
     a row per non-negative E4M3 byte: its scale s_b and the encode factor
@@ -121,17 +127,19 @@ def tensor_factors(amax: jax.Array) -> TensorFactors:
     call; each result leaves through `computed_once`, so XLA computes it once, not once per
     consumer (the table in the shape the blocks' gather reads).
     """
-    (quotients,) = F.computed_once(exact.div(jnp.stack([jnp.float32(F.NVFP4_GLOBAL_SCALE), amax]),
-                                             jnp.stack([amax, jnp.float32(F.NVFP4_GLOBAL_SCALE)])))
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = jnp.full_like(amax, F.NVFP4_GLOBAL_SCALE)
+    (quotients,) = F.computed_once(exact.div(jnp.stack([scale, amax]), jnp.stack([amax, scale])))
     s_enc = jnp.where(jnp.isinf(amax), jnp.float32(1.0), jnp.minimum(quotients[0], jnp.float32(F.FLT_MAX)))
     (s_dec,) = F.computed_once(exact.div(1.0, s_enc))
     # S_enc is a normal number (at least 2688 / FLT_MAX) or NaN, and so is its product with
     # fl32(1/6): a float32 multiply of normals with a normal result is correctly rounded on
     # every IEEE backend. The other factors can be subnormal: `exact` rounds them.
     mult = s_enc * _ONE_SIXTH
-    enc = jnp.minimum(exact.div(1.0, exact.mul(_E4M3_VALUES, s_dec)), jnp.float32(F.FLT_MAX))
+    values = jnp.broadcast_to(_E4M3_VALUES, amax.shape + _E4M3_VALUES.shape)
+    enc = jnp.minimum(exact.div(1.0, exact.mul(values, s_dec[..., None])), jnp.float32(F.FLT_MAX))
     scalars, table = F.computed_once(jnp.stack([mult, _tiny_multiplier(mult), quotients[1]]),
-                                     jnp.stack([jnp.asarray(_E4M3_VALUES), enc], axis=-1))
+                                     jnp.stack([values, enc], axis=-1))
     return TensorFactors(scalars[0], scalars[1], table, scalars[2])
 
 
@@ -168,26 +176,40 @@ class BlockCodes:
     decode: jax.Array
 
 
-def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quantize_blocks") -> BlockCodes:
-    """The NVFP4 block quantizer: E2M1 codes and E4M3 block scales of `x` as `spec` says.
+class Blocks(NamedTuple):
+    """An operand seen as scaling blocks, with its amaxes: the block quantizer's first half
+    (`operand_blocks`), all that the per-tensor factors need."""
 
-    Checks `x` and `spec` (`check_operand`) and takes the RHT first when `spec.rht` (the
-    amax is the rotated tensor's). Every public NVFP4 form is built from its result.
-    """
+    xb: jax.Array  # float32 values in the blocked layout `lay.blocked` (rotated when spec.rht)
+    amax_b_bits: jax.Array  # per-block amax bits, `lay.keepdims`
+    amax: jax.Array  # the float32 tensor amax; NaN when x is not finite
+    nonfinite: jax.Array  # bool scalar
+    lay: F.BlockLayout
+    spec: OperandSpec  # checked, its block axis normalized
+    shape: tuple  # the operand's logical shape
+
+
+def operand_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quantize_blocks") -> Blocks:
+    """Check `x` and `spec` (`check_operand`), take the RHT when `spec.rht` (the amax is the
+    rotated tensor's), and view the values as blocks with their amaxes."""
     spec = check_operand(x, spec, key, fn)
     if spec.rht:
         x = random_hadamard_transform(x, spec.axis)  # amax is taken after the transform
     lay = _layout(x.shape, spec.axis, spec.two_d)
     xb = x.astype(jnp.float32).reshape(lay.blocked)
-
     # Integer max over |x| bits: exact, and NaN/Inf cannot be dropped.
     amax_b_bits, amax_bits = F.block_amax_bits(xb, lay)
     nonfinite = F.is_nonfinite_bits(amax_bits)
     amax = jnp.where(nonfinite, jnp.float32(jnp.nan), F.bits_to_f32(amax_bits))
+    return Blocks(xb, amax_b_bits, amax, nonfinite, lay, spec, tuple(x.shape))
 
-    factors = tensor_factors(amax)
+
+def encode_blocks(blocks: Blocks, factors: TensorFactors, key=None) -> BlockCodes:
+    """The block quantizer's second half: E4M3 block scales and E2M1 codes of `blocks`, given
+    the per-tensor factors of its amax."""
+    lay, nonfinite = blocks.lay, blocks.nonfinite
     scale_bytes = lax.bitcast_convert_type(
-        block_scales(F.bits_to_f32(amax_b_bits), factors.mult, factors.mult_tiny), jnp.uint8
+        block_scales(F.bits_to_f32(blocks.amax_b_bits), factors.mult, factors.mult_tiny), jnp.uint8
     )
     # A non-finite tensor gets the NaN scale (byte 0x7F) in every block.
     index = jnp.where(nonfinite, np.int32(0x7F), scale_bytes.astype(jnp.int32))
@@ -199,24 +221,57 @@ def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "qua
     s_b, enc_b = per_block[..., 0], per_block[..., 1]
     scales = s_b.astype(jnp.float8_e4m3fn)
 
-    y = jnp.clip(xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
-    if spec.stochastic:
-        rbits = F.stochastic_rounding_bits(key, x.shape).reshape(lay.blocked)
+    y = jnp.clip(blocks.xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
+    if blocks.spec.stochastic:
+        rbits = F.stochastic_rounding_bits(key, blocks.shape).reshape(lay.blocked)
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
     # A non-finite tensor's codes are all 0 (+0), whatever NaN a backend's arithmetic made of
     # its elements: the NaN scales alone say "not finite" (NVFP4_SPEC.md has no E2M1 NaN).
     codes = jnp.where(nonfinite, NONFINITE_CODE, codes)
-    return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), amax, lay, factors.decode)
+    return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), blocks.amax, lay, factors.decode)
+
+
+def quantize_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quantize_blocks") -> BlockCodes:
+    """The NVFP4 block quantizer: E2M1 codes and E4M3 block scales of `x` as `spec` says.
+
+    Checks `x` and `spec` (`check_operand`) and takes the RHT first when `spec.rht` (the
+    amax is the rotated tensor's). Every public NVFP4 form is built from its result.
+    """
+    blocks = operand_blocks(x, spec, key, fn=fn)
+    return encode_blocks(blocks, tensor_factors(blocks.amax), key)
+
+
+def quantize_blocks_group(items, *, fn: str = "quantize_blocks_group") -> list[BlockCodes]:
+    """`[quantize_blocks(x, spec, key) for x, spec, key in items]`, bit for bit, with the
+    per-tensor factors of all the operands computed together (one `tensor_factors` of their
+    amaxes): the operands one GEMM pass quantizes, so that the integer-built factors appear
+    once per pass in the program rather than once per operand (XLA's compile time grows with
+    the size of the program)."""
+    blocks = [operand_blocks(x, spec, key, fn=fn) for x, spec, key in items]
+    if len(blocks) == 1:
+        return [encode_blocks(blocks[0], tensor_factors(blocks[0].amax), items[0][2])]
+    factors = tensor_factors(jnp.stack([b.amax for b in blocks]))
+    return [encode_blocks(b, factors.at(i), key) for i, (b, (_, _, key)) in enumerate(zip(blocks, items))]
+
+
+def _values(q: BlockCodes, shape):
+    return (F.e2m1_values(q.codes) * q.s_b).astype(jnp.bfloat16).reshape(shape)  # exact: 2 x 4 significant bits
 
 
 def gemm_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "gemm_operand"):
     """The emulated GEMM's operand of `x` as `spec` says: `(bf16 values, fp32 decode scale)`
     (see `nvfp4_gemm_operand`). The reference operand quantizer of the NVFP4 backends."""
     q = quantize_blocks(x, spec, key, fn=fn)
-    values = (F.e2m1_values(q.codes) * q.s_b).astype(jnp.bfloat16)  # exact: 2 x 4 significant bits
-    return values.reshape(x.shape), q.decode
+    return _values(q, x.shape), q.decode
+
+
+def gemm_operand_group(items, *, fn: str = "gemm_operand_group"):
+    """`[gemm_operand(x, spec, key) for x, spec, key in items]`, bit for bit, the per-tensor
+    factors computed together (`quantize_blocks_group`): an `NVFP4Backend`'s `operand_group`."""
+    return [(_values(q, x.shape), q.decode)
+            for q, (x, _, _) in zip(quantize_blocks_group(items, fn=fn), items)]
 
 
 # --- public API -------------------------------------------------------------------------------

@@ -76,15 +76,16 @@ jax.tree_util.register_dataclass(
 )
 
 
-def block_scaled_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "block_scaled_operand"):
-    """NVFP4-quantize the 2-D GEMM operand `x` as `spec` says, into `scaled_matmul`'s form
-    (`BlockScaledOperand`): the xla backend's operand quantizer."""
+def _check_2d(x, fn: str) -> None:
     if getattr(x, "ndim", None) != 2:
         raise ValueError(
             f"{fn}: GEMM operands are 2-D (leading dims flattened into tokens); got shape "
             f"{getattr(x, 'shape', None)}"
         )
-    q = nvfp4.quantize_blocks(x, spec, key, fn=fn)
+
+
+def _operand(x: jax.Array, spec: OperandSpec, q: nvfp4.BlockCodes, fn: str) -> BlockScaledOperand:
+    """The `BlockScaledOperand` of `x` from its block quantizer's result `q`."""
     # Transposes happen on float32 values, before the exact cast to float4.
     values = F.e2m1_values(q.codes).reshape(x.shape)
     if spec.two_d:
@@ -97,6 +98,23 @@ def block_scaled_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str =
     if axis == 0:
         values, scales = values.T, scales.T
     return BlockScaledOperand((values.astype(F4),), (scales,), q.decode, (axis,))
+
+
+def block_scaled_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "block_scaled_operand"):
+    """NVFP4-quantize the 2-D GEMM operand `x` as `spec` says, into `scaled_matmul`'s form
+    (`BlockScaledOperand`): the xla backend's operand quantizer."""
+    _check_2d(x, fn)
+    return _operand(x, spec, nvfp4.quantize_blocks(x, spec, key, fn=fn), fn)
+
+
+def block_scaled_operand_group(items, *, fn: str = "block_scaled_operand_group"):
+    """`[block_scaled_operand(x, spec, key) for x, spec, key in items]`, bit for bit, with the
+    per-tensor factors computed together (`nvfp4.quantize_blocks_group`): the xla backend's
+    `operand_group`."""
+    for x, _, _ in items:
+        _check_2d(x, fn)
+    blocks = nvfp4.quantize_blocks_group(items, fn=fn)
+    return [_operand(x, spec, q, fn) for q, (x, spec, _) in zip(blocks, items)]
 
 
 def xla_operand(

@@ -14,7 +14,7 @@ from nvfp4_jax.quant import (
     block_scaled_operand,
     xla_operand,
 )
-from nvfp4_jax.quant.xla_backend import ScaledMatmulGemm, ScaledMatmulProbe
+from nvfp4_jax.quant.xla_backend import ScaledMatmulGemm, ScaledMatmulProbe, block_scaled_operand_group
 
 FUSED = ScaledMatmulProbe(True, True, "compiles to cuDNN's block-scaled FP4 GEMM on NVIDIA B200 (gpu)")
 REWRITTEN = ScaledMatmulProbe(True, False, "lowers on NVIDIA H200 (gpu) as XLA's dequantize-then-dot rewrite")
@@ -105,7 +105,8 @@ def test_make_backend():
     with pytest.raises(ValueError, match="quantizes its own operands"):
         make_backend("te", operand=xla_operand)
     xla = make_backend("xla", scaled_matmul=scaled_matmul_reference)
-    assert xla == NVFP4Backend("xla", block_scaled_operand, ScaledMatmulGemm(scaled_matmul_reference))
+    assert xla == NVFP4Backend("xla", block_scaled_operand, ScaledMatmulGemm(scaled_matmul_reference),
+                               operand_group=block_scaled_operand_group)
     # Built alike, equal and hashing alike: one jit cache entry, not a retrace per build.
     assert xla == make_backend("xla", scaled_matmul=scaled_matmul_reference)
     assert hash(xla) == hash(make_backend("xla", scaled_matmul=scaled_matmul_reference))

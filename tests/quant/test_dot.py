@@ -27,7 +27,7 @@ from nvfp4_jax.quant import (
     unpack_codes,
     unpack_nibbles,
 )
-from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm, make_dot_general, sr_keys
+from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm, make_dot_general, sr_keys
 from nvfp4_jax.quant.recipe import get_recipe
 
 T, K, N = 32, 64, 32
@@ -555,3 +555,27 @@ def test_fp8_meta_only_for_delayed_scaling():
         make_dot_general("te_fp8_currentscaling", fp8_meta=init_fp8_meta())
     with pytest.raises(ValueError, match=r"expected \(1024,\)"):
         make_dot_general("te_fp8_delayedscaling", fp8_meta=init_fp8_meta(16))
+
+
+def test_emulated_dot_computes_the_factors_once_per_pass(monkeypatch, xwg):
+    """The reference backend computes the per-tensor factors of a pass's operands together:
+    one `tensor_factors` in the forward (X, W), one in the backward (both dY copies, X^T), and
+    so the program holds them twice per GEMM rather than five times (what XLA's compile time
+    follows). A backend whose operands are its own (the Pallas kernels) quantizes each alone."""
+    from nvfp4_jax.kernels import select
+    from nvfp4_jax.quant import nvfp4
+
+    calls = []
+    real = nvfp4.tensor_factors
+    monkeypatch.setattr(nvfp4, "tensor_factors", lambda amax: calls.append(jnp.shape(amax)) or real(amax))
+    x, w, g = xwg
+
+    def trace(backend):
+        calls.clear()
+        dot = make_dot_general("te_nvfp4", KEY, backend=backend)
+        jax.make_jaxpr(jax.vjp(lambda a, b: dot(a, b, DIMS), x, w)[1])(g)
+        return list(calls)
+
+    assert trace(EMULATED) == [(2,), (3,)]
+    kernels = select.with_operand_kernels(EMULATED, select.operand_kernels("pallas"))
+    assert kernels.operand_group is None

@@ -623,3 +623,67 @@ def test_errors(fn):
 def test_dequantize_rejects_unknown_type():
     with pytest.raises(ValueError, match=r"dequantize: q has type ndarray; expected one of NVFP4Tensor"):
         dequantize(np.zeros(3))
+
+
+# --- per-tensor factors shared by the operands of one GEMM pass -------------------------------
+
+
+# Amaxes at every edge of the factors' arithmetic: zero, subnormal, the smallest normal, values
+# whose S_enc or table entries are subnormal or overflow, the largest finite, Inf and NaN.
+EDGE_AMAXES = np.array(
+    [0.0, 1e-45, 3e-42, 2.0**-126, 1e-30, 1e-12, 0.1, 1.0, 3.0, 2688.0, 1e12, 1e30, 3e38,
+     np.finfo(np.float32).max, np.inf, np.nan],
+    np.float32,
+)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_tensor_factors_of_a_vector_equal_each_amax_on_its_own(jit):
+    """`tensor_factors` of a vector of amaxes is, field by field and bit for bit, the factors
+    of each amax computed alone (what `quantize_blocks_group` relies on)."""
+    from nvfp4_jax.quant import nvfp4
+
+    fn = jax.jit(nvfp4.tensor_factors) if jit else nvfp4.tensor_factors
+    together = fn(jnp.asarray(EDGE_AMAXES))
+    assert together.table.shape == (len(EDGE_AMAXES), 128, 2)
+    for i, amax in enumerate(EDGE_AMAXES):
+        alone = fn(jnp.float32(amax))
+        for name, got, want in zip(alone._fields, together.at(i), alone):
+            np.testing.assert_array_equal(
+                np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32), err_msg=f"{name}, amax={amax}")
+
+
+def test_operand_group_equals_each_operand_on_its_own():
+    """`gemm_operand_group` (one `tensor_factors` for all its operands) returns bit for bit what
+    `gemm_operand` gives each operand alone, for every kind of operand one GEMM pass has, on
+    tensors whose amaxes are far apart (one of them not finite), and the spec transcription's
+    codes for one of them."""
+    from nvfp4_jax.quant import nvfp4
+    from nvfp4_jax.quant.spec import OperandSpec
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((64, 32)) * 1e-20, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 48)) * 3e3, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    bad = g.at[3, 5].set(jnp.inf)
+    k1, k2 = jax.random.split(jax.random.key(3))
+    items = [
+        (x, OperandSpec(axis=1), None),
+        (w, OperandSpec(two_d=True), None),
+        (g, OperandSpec(axis=1, stochastic=True), k1),
+        (g, OperandSpec(axis=0, rht=True, stochastic=True), k2),
+        (x, OperandSpec(axis=0, rht=True), None),
+        (bad, OperandSpec(axis=1), None),
+    ]
+    together = jax.jit(lambda xs, ks: nvfp4.gemm_operand_group(
+        [(a, s, k) for a, (_, s, _), k in zip(xs, items, ks)]))([a for a, _, _ in items], [k for _, _, k in items])
+    for (a, spec, key), (values, decode) in zip(items, together):
+        want_values, want_decode = jax.jit(lambda a, k, spec=spec: nvfp4.gemm_operand(a, spec, k))(a, key)
+        assert_same = np.testing.assert_array_equal
+        assert_same(np.asarray(values).view(np.uint16), np.asarray(want_values).view(np.uint16), err_msg=str(spec))
+        assert_same(np.asarray(decode).view(np.uint32), np.asarray(want_decode).view(np.uint32), err_msg=str(spec))
+    blocks = nvfp4.quantize_blocks_group([(x, items[0][1], None), (w, items[1][1], None)])
+    codes, sbytes, amax, _ = ref_quantize(np.asarray(w), two_d=True)
+    np.testing.assert_array_equal(np.asarray(blocks[1].codes).reshape(w.shape), codes)
+    np.testing.assert_array_equal(np.asarray(lax.bitcast_convert_type(blocks[1].scales, jnp.uint8)), sbytes)
+    assert np.float32(blocks[1].amax) == amax

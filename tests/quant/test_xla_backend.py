@@ -377,3 +377,24 @@ def test_cudnn_kernel_is_recognised_in_compiled_hlo():
     assert cudnn_block_scaled_gemm_in('custom_call_target="__cudnn$blockScaledDot"')
     rewritten = "%d = f32[1,128,128] dot(f32[1,128,64] %a, f32[1,128,64] %b), composite.name=\"block_scaled_dot\""
     assert not cudnn_block_scaled_gemm_in(rewritten)
+
+
+def test_operand_group_equals_each_operand_on_its_own():
+    """The xla backend's `operand_group` (one set of per-tensor factors for a pass) gives bit for
+    bit `block_scaled_operand` of each operand alone: codes, scales, decode and views."""
+    from nvfp4_jax.quant.spec import OperandSpec
+    from nvfp4_jax.quant.xla_backend import block_scaled_operand, block_scaled_operand_group
+
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((32, 64)) * 1e-3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 48)) * 50, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
+    key = jax.random.key(5)
+    items = [(x, OperandSpec(axis=1), None), (w, OperandSpec(two_d=True), None),
+             (g, OperandSpec(axis=0, rht=True, stochastic=True), key)]
+    together = block_scaled_operand_group(items)
+    for (a, spec, k), got in zip(items, together):
+        want = block_scaled_operand(a, spec, k)
+        assert got.axes == want.axes
+        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.atleast_1d(u).view(np.uint8), np.atleast_1d(v).view(np.uint8), err_msg=str(spec))
