@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         memory = args.device_memory_gib * GIB if args.device_memory_gib is not None else local_device_memory()
         if memory is not None and not math.isfinite(memory):  # e.g. 1e300 GiB overflows to inf bytes
             raise ConfigError(f"--device-memory-gib={args.device_memory_gib!r} is not allowed: must be a "
-                              f"positive number of GiB whose bytes are finite (at most {sys.float_info.max / GIB:.3g}).")
+                              "positive number of GiB whose bytes are finite "
+                              f"(at most {sys.float_info.max / GIB:.3g}).")
         plan = make_plan(cfg, num_devices, memory)
         if args.max_context and memory is None:
             raise ConfigError("--max-context needs the device's memory: give --device-memory-gib "
