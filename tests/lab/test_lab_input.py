@@ -118,3 +118,63 @@ def test_analyze_accepts_a_diverged_run_without_final_loss_and_a_study_without_r
     results["study"]["reference"] = None
     out = tmp_path / "stats.json"
     assert lab_main.main(["--analyze", _write(tmp_path, results), "--stats_out", str(out)]) == 0
+
+
+# --- a finished run read back is checked against its files ---------------------------------------
+
+
+def _finished_study(tmp_path, monkeypatch):
+    """The one-run study's files as a finished run leaves them (20 loss records, the final
+    evaluation, the summary), and the lab's training replaced by a recorder: the lab must read
+    the run back, or refuse it, without training."""
+    run_dir = tmp_path / "runs" / "bf16-seed0"
+    run_dir.mkdir(parents=True)
+    metrics = run_dir / "metrics.jsonl"
+    with open(metrics, "w") as f:
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "loss": 3.0 - step / 100, "segment": 0}) + "\n")
+        f.write(json.dumps({"step": 20, "eval_loss": 2.6, "eval_loss_bf16": 2.6, "segment": 0}) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"steps": 20, "step_reached": 20, "stopped_by": None, "final_train_loss": 2.8,
+         "final_eval_loss": 2.6, "final_eval_loss_bf16": 2.6}))
+    calls = []
+    from nvfp4_jax.train import loop
+
+    monkeypatch.setattr(loop, "run", lambda cfg, **kw: calls.append(cfg.train.run_name) or {})
+    args = [*BASE, "--arms", "bf16", "--seeds", "1", "--out", str(tmp_path), "--no_plots"]
+    return args, calls, metrics
+
+
+def _lines(path):
+    return path.read_text().splitlines(keepends=True)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda p: p.unlink(), "metrics.jsonl is missing"),
+    (lambda p: p.write_text("".join(_lines(p)[:6] + _lines(p)[7:])), "no training-loss record of step 7 (1 of the 20 steps)"),
+    (lambda p: p.write_text("".join(_lines(p)[:-1]) + _lines(p)[-1][:15]),
+     "the last line of metrics.jsonl is cut short; metrics.jsonl has no final evaluation record (step 20)"),
+    (lambda p: p.write_text("".join(_lines(p)[:-1])), "no final evaluation record (step 20)"),
+    (lambda p: p.write_text("".join(_lines(p)[:-1]) + json.dumps({"step": 20, "eval_loss": 9.0}) + "\n"),
+     "the summary's final_eval_loss 2.6 is not metrics.jsonl's 9.0 at step 20"),
+    (lambda p: p.write_text("".join(_lines(p)[:3]) + "{oops\n" + "".join(_lines(p)[3:])), "line 4 is not a JSON record"),
+    (lambda p: p.write_text(p.read_text().replace('"loss": 2.8,', '"loss": 2.5,')),
+     "the summary's final_train_loss 2.8 is not metrics.jsonl's 2.5 at step 20"),
+])
+def test_a_finished_run_whose_files_do_not_bear_out_its_summary_is_refused_naming_it(
+        tmp_path, monkeypatch, capsys, damage, expected):
+    args, calls, metrics = _finished_study(tmp_path, monkeypatch)
+    damage(metrics)
+    assert lab_main.main(args) == 2
+    line = _one_error_line(capsys)
+    assert "the finished run bf16-seed0 cannot be reused" in line and expected in line
+    assert "Remove that directory to train it again" in line
+    assert calls == []  # refused before anything trains (or is read back)
+
+
+def test_an_intact_finished_run_is_reused(tmp_path, monkeypatch):
+    args, calls, _ = _finished_study(tmp_path, monkeypatch)
+    assert lab_main.main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["status"] for r in results["runs"]] == ["reused"] and calls == []
+    assert results["runs"][0]["final_eval_loss"] == 2.6
