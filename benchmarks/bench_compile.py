@@ -10,7 +10,7 @@ vocabulary 256, batch 2 x 32 tokens) so that compiling, not computing, is what i
 Each case runs in a fresh process, so no jit cache is shared between cases; `--rounds` passes
 over all cases (default 2) spread machine load across them, and a case's time is its fastest.
 
-The goal (issue 10): scanned compile time roughly flat in depth, 32 layers within 1.5x of 2.
+The goal: scanned compile time roughly flat in depth, 32 layers within 1.5x of 2.
 Prints a table and writes JSON to `benchmarks/results/compile.json`.
 
     python benchmarks/bench_compile.py --presets tiny,small-25m [--rounds 2]

@@ -16,7 +16,7 @@ optax and orbax:
     random dY passed in as an argument (a constant or a `sum()` loss lets XLA fold the backward).
 (e) `long_context`: one long sequence (FULL: the (a) model at 32,768 tokens, batch 1, full remat,
     num_vocab_tiling 8, attention autoselected) on one device: step time and peak memory beside
-    `nvfp4_jax.plan`'s estimate for the same config (issue 21; context parallelism itself needs
+    `nvfp4_jax.plan`'s estimate for the same config (context parallelism itself needs
     more than the one lent GPU).
 (d) `quantize_kernels`: a marked hook for the Pallas quantize kernels of a later issue.
 

@@ -87,7 +87,7 @@ class ModelConfig:
     # chunked above 2048 tokens (memory linear in L) and dot_product up to it (scores and
     # softmax in fp32, materialised per head).
     attention: str = "autoselected"
-    # Long context (issue 21): attention's algorithm under ici/dcn_context_parallelism > 1
+    # Long context: attention's algorithm under ici/dcn_context_parallelism > 1
     # (CONTEXT_PARALLEL_STRATEGIES; nvfp4_jax.model.ulysses).
     context_parallel_strategy: str = "all_gather"
     # --- chunked attention (attention=chunked) ---
@@ -176,7 +176,7 @@ class TrainConfig:
     profiler: str = ""
     profile_start_step: int = 5
     profile_steps: int = 3
-    # --- evaluation modes (issue 17) ---
+    # --- evaluation modes ---
     # Which forward pass computes the validation loss: "train" (the training recipe's, BF16 once
     # quantization_end_step has passed), "bf16" (the same weights with BF16 dots: the model a
     # user ships), or "both" (eval_loss as "train", plus eval_loss_bf16).
@@ -197,7 +197,7 @@ class MeshConfig:
     ici_data_parallelism: int = 1
     ici_fsdp_parallelism: int = -1
     dcn_data_parallelism: int = 1
-    # Long context and tensor parallelism (issue 21): `context` splits every activation's
+    # Long context and tensor parallelism: `context` splits every activation's
     # sequence axis (dcn x ici devices), `tensor` splits attention heads and the MLP width.
     ici_context_parallelism: int = 1
     dcn_context_parallelism: int = 1

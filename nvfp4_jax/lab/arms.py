@@ -30,7 +30,7 @@ DEFAULT_ARMS = (
 )
 LAB_KEYS = ("seed", "run_name", "base_output_directory")
 # Defaults the lab applies under the base config (which may override them): evaluate every run
-# through its recipe's forward pass and through BF16 (issue 17).
+# through its recipe's forward pass and through BF16.
 LAB_DEFAULTS: Mapping[str, Any] = {"eval_quantization": "both"}
 # Keys whose value may be a percentage of `steps`.
 STEP_KEYS = ("quantization_end_step",)

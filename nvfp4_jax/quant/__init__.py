@@ -19,7 +19,7 @@ _EXPORTS = {
     "nvfp4": ("NVFP4Tensor", "BlockCodes", "dequantize", "gemm_operand", "nvfp4_gemm_operand",
               "quantize_blocks", "quantize_nvfp4", "unpack_codes"),
     "spec": ("OperandSpec",),
-    # The quantized GEMM (issue 3): recipes, the dot_general seam, its Flax module, FP8 state.
+    # The quantized GEMM: recipes, the dot_general seam, its Flax module, FP8 state.
     "dot": ("EMULATED", "NVFP4Backend", "Quantizers", "emulated_gemm", "make_dot_general"),
     "flax_dot": ("OVERWRITE_WITH_GRADIENT_COLLECTIONS", "QuantDotGeneral", "dot_general_factory",
                  "quant_rngs"),

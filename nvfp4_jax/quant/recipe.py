@@ -116,7 +116,7 @@ RECIPES: Mapping[str, Recipe] = {
     "nvfp4_1d_weights": dataclasses.replace(_NVFP4, two_d_weights=False),
     "mxfp4": Recipe(format="mxfp4", block_size=32),
     # MXFP4's format under the NVFP4 recipe's operand handling: only the format differs from
-    # te_nvfp4, so the two arms compare formats (issue 17).
+    # te_nvfp4, so the two arms compare formats.
     "mxfp4_nvfp4_recipe": dataclasses.replace(_NVFP4, format="mxfp4", block_size=32),
 }
 

@@ -1,4 +1,4 @@
-"""The run at its edges (issue 20): a stop in the last step, output paths that are not what they
+"""The run at its edges: a stop in the last step, output paths that are not what they
 should be, a save that fails, a second signal while the main thread is busy in C, and the
 metrics file's torn lines. In-process tests first (fast); the real-process ones are `slow`."""
 
