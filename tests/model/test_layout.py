@@ -150,9 +150,12 @@ def _three_step_losses(cfg):
     return np.array(losses)
 
 
-# The bf16 roundings XLA elides differ with the fusions (module docstring): up to 1e-3 relative
-# on the first loss; FP8 and FP4 rounding amplify it by the third step (measured relative gaps:
-# bf16 4e-4, te_fp8_delayedscaling 2e-3, te_nvfp4 7e-3). Each recipe gets about twice its own.
+# The bf16 roundings XLA elides differ with the fusions (module docstring). Measured relative
+# gaps of the first loss (one forward pass): bf16 2e-4, te_fp8_delayedscaling 2e-4, te_nvfp4 2e-3
+# (a bf16 ulp moved at an FP4 rounding boundary moves a whole FP4 step); by the third step
+# training amplifies them: bf16 4e-4, te_fp8_delayedscaling 1e-3, te_nvfp4 9e-3. Each recipe gets
+# about twice its own (the first-loss bound no tighter than 1e-3).
+FIRST_LOSS_RTOL = {"bf16": 1e-3, "te_fp8_delayedscaling": 1e-3, "te_nvfp4": 5e-3}
 BF16_COMPUTE_RTOL = {"bf16": 1e-3, "te_fp8_delayedscaling": 5e-3, "te_nvfp4": 1.5e-2}
 
 
@@ -163,7 +166,7 @@ def test_scanned_and_unrolled_train_alike_with_bf16_compute(recipe):
     scanned = _three_step_losses(_cfg(*extra, "scan_layers=true"))
     unrolled = _three_step_losses(_cfg(*extra, "scan_layers=false"))
     assert scanned[2] < scanned[0] - 1.0  # it trains
-    np.testing.assert_allclose(scanned[0], unrolled[0], rtol=1e-3)
+    np.testing.assert_allclose(scanned[0], unrolled[0], rtol=FIRST_LOSS_RTOL[recipe])
     np.testing.assert_allclose(scanned, unrolled, rtol=BF16_COMPUTE_RTOL[recipe])
 
 

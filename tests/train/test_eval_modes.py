@@ -23,10 +23,14 @@ ARGS = ["model_name=tiny", "base_num_decoder_layers=1", "max_target_length=32", 
         "checkpoint_period=1", "max_checkpoints_to_keep=10", "run_name=run"]
 
 
-# The loop's evaluation and `_eval_loss` are two programs of the same 1-layer model's loss: no
-# practical a-priori fp32 bound, but their difference is reduction order at most (measured: none).
-# 1e-5 relative is 100x a 1-layer model's fp32 noise (~1e-7) and ~300x below the FP4 error at
-# evaluation time (3e-3 of the loss here), which the test tells apart from BF16.
+# The loop's evaluation and `_eval_loss` are two programs of the same 1-layer model's loss. The
+# run computes in fp32 (`dtype=float32`): with bf16 compute the two programs fuse differently,
+# which bf16 roundings XLA keeps depends on the fusions (tests/model/test_layout.py), and one bf16
+# ulp moved at an FP4 rounding boundary moves the NVFP4 loss by ~3e-5 (measured when the MLP's
+# reshapes changed the fusions). In fp32 their difference is
+# reduction order at most (measured: none); 1e-5 relative is 100x a 1-layer model's fp32 noise
+# (~1e-7) and ~90x below the FP4 error at evaluation time (measured: 9e-4 of the loss), which
+# the test tells apart from BF16 with 20x the tolerance.
 SAME_LOSS_RTOL = 1e-5
 
 
@@ -41,7 +45,7 @@ def _eval_loss(model, state, batch):
 def tail_run(tmp_path_factory):
     """te_nvfp4 for 3 steps, BF16 from step 2 on, evaluated both ways after every step."""
     cfg = load_config(ARGS + [f"base_output_directory={tmp_path_factory.mktemp('eval')}", "quantization=te_nvfp4",
-                              "steps=3", "quantization_end_step=2", "eval_quantization=both"])
+                              "dtype=float32", "steps=3", "quantization_end_step=2", "eval_quantization=both"])
     summary = loop.run(cfg, progress=False, devices=ONE_DEVICE)
     return cfg, summary
 
@@ -66,7 +70,7 @@ def test_bf16_eval_equals_a_plain_bf16_model_on_the_same_weights_and_the_tail_ev
             np.testing.assert_allclose(evals[step]["eval_loss"], _eval_loss(quantized, state, held_out),
                                        rtol=SAME_LOSS_RTOL)
             # FP4 error at evaluation time: far beyond the tolerance above.
-            assert abs(evals[step]["eval_loss"] - bf16) > 100 * SAME_LOSS_RTOL * bf16
+            assert abs(evals[step]["eval_loss"] - bf16) > 20 * SAME_LOSS_RTOL * bf16
         else:  # from quantization_end_step on, the run trains and evaluates in BF16
             assert evals[step]["eval_loss"] == evals[step]["eval_loss_bf16"]
     manager.close()
