@@ -26,12 +26,17 @@ head-, KV- and MLP-sized term below is divided by t, D-sized ones are not):
 
 With context parallelism, `all_gather` also keeps each layer's gathered K and V; Ulysses' device
 holds L queries of H / context heads, the same probability bytes as `dot_product` above.
-`--max-context` searches the longest `max_target_length` that fits; the communication lines give
+`--max-context` searches the longest `max_target_length` that fits, up to the longest the trainer
+accepts (`config.INT32_MAX` = 2,147,483,647: positions are int32 on the device; a plan that
+reaches it says so); the communication lines give
 the bytes each device sends per layer for Ulysses, all_gather and ring attention
 (`communication_bytes`).
 
 It estimates what XLA keeps, good to a small factor; the plan says it fits only with 10% of the
 device left for XLA's own buffers and fragmentation.
+
+Exit codes: 0 planned (it fits, or no device memory is known), 2 bad input (one `error: ...`
+line), 5 planned but it does not fit the device (the plan is printed; 1 stays a crash).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from nvfp4_jax.quant import get_recipe
 from nvfp4_jax.train.build import ATTENTION_FP8_RECIPE
 
 GIB = 1024**3
+EXIT_OK, EXIT_USER, EXIT_DOES_NOT_FIT = 0, 2, 5
 # Fraction of device memory a plan may use: the rest is for XLA's temporaries and fragmentation.
 USABLE_FRACTION = 0.9
 # Per-token values each decoder layer saves under a remat policy (besides "none"), as a function
@@ -262,13 +268,20 @@ def make_plan(cfg: Config, num_devices: int, device_memory_bytes: float | None =
     )
 
 
+def _length_block(cfg: Config, num_devices: int) -> int:
+    """What every `max_target_length` the run accepts is a multiple of."""
+    m = cfg.model
+    return math.lcm((config_lib._block_size(m.quantization) or 1) * sharding.mesh_shape(cfg.mesh, num_devices).context,
+                    m.num_vocab_tiling)
+
+
 def max_context(cfg: Config, num_devices: int, device_memory_bytes: float) -> tuple[int, Plan | None]:
     """The longest `max_target_length` whose plan fits (0 and None when none does), searched over
     the lengths the run accepts: multiples of the context parallelism times the quantizer's block
-    (16 for NVFP4; 1 without blocks), and of `num_vocab_tiling`."""
+    (16 for NVFP4; 1 without blocks), and of `num_vocab_tiling`, no longer than
+    `config.INT32_MAX` (the trainer refuses longer ones: positions are int32)."""
     m = cfg.model
-    block = math.lcm((config_lib._block_size(m.quantization) or 1) * sharding.mesh_shape(cfg.mesh, num_devices).context,
-                     m.num_vocab_tiling)
+    block = _length_block(cfg, num_devices)
 
     def plan_at(units: int) -> Plan | None:
         trial = dataclasses.replace(cfg, model=dataclasses.replace(m, max_target_length=units * block))
@@ -281,12 +294,15 @@ def max_context(cfg: Config, num_devices: int, device_memory_bytes: float) -> tu
         p = plan_at(units)
         return bool(p and p.fits)
 
-    if not fits(1):
+    most = config_lib.INT32_MAX // block  # the longest length the trainer accepts, in blocks
+    if most < 1 or not fits(1):
         return 0, None
+    if fits(most):
+        return most * block, plan_at(most)
     hi = 1
-    while fits(hi * 2) and hi < 2**40:
+    while hi * 2 < most and fits(hi * 2):
         hi *= 2
-    lo, hi = hi, hi * 2  # fits(lo), not fits(hi)
+    lo, hi = hi, min(hi * 2, most)  # fits(lo), not fits(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -361,9 +377,12 @@ def _max_context_line(cfg: Config, num_devices: int, memory: float) -> str:
     if best is None:
         return (f"max context: none fits ({cfg.model.model_name}, {num_devices} devices of "
                 f"{memory / GIB:,.0f} GiB): the state and the shortest sequence do not fit")
+    capped = length + _length_block(cfg, num_devices) > config_lib.INT32_MAX
+    limit = (f"; the search stops at the trainer's limit, max_target_length <= {config_lib.INT32_MAX:,} "
+             "(positions are int32 on the device)") if capped else ""
     return (f"max context: max_target_length={length:,} fits ({best.total_bytes_per_device / GIB:,.1f} GiB "
             f"per device) with global batch {best.global_batch_size}, context={best.context}, "
-            f"remat_policy={cfg.model.remat_policy}, attention={best.attention_kernel}")
+            f"remat_policy={cfg.model.remat_policy}, attention={best.attention_kernel}{limit}")
 
 
 def check_numeric_options(args: argparse.Namespace) -> None:
@@ -400,13 +419,17 @@ def main(argv: list[str] | None = None) -> int:
             # With a -1 axis, plan as a run would: for the devices this machine has.
             num_devices = jax.device_count() if -1 in axes else math.prod(axes)
         memory = args.device_memory_gib * GIB if args.device_memory_gib is not None else local_device_memory()
+        if memory is not None and not math.isfinite(memory):  # e.g. 1e300 GiB overflows to inf bytes
+            raise ConfigError(f"--device-memory-gib={args.device_memory_gib!r} is not allowed: must be a "
+                              "positive number of GiB whose bytes are finite "
+                              f"(at most {sys.float_info.max / GIB:.3g}).")
         plan = make_plan(cfg, num_devices, memory)
         if args.max_context and memory is None:
             raise ConfigError("--max-context needs the device's memory: give --device-memory-gib "
                               "(no accelerator here says it)")
     except ConfigError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return EXIT_USER
     print(format_plan(cfg, plan))
     if args.max_context:
         print(_max_context_line(cfg, num_devices, memory))
@@ -415,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         estimates = projection.project(cfg.model, device, per_device_batch=cfg.train.per_device_batch_size,
                                        seq_len=cfg.model.max_target_length, num_devices=num_devices)
         print(projection.format_projection(cfg.model, device, estimates))
-    return 1 if plan.fits is False else 0
+    return EXIT_DOES_NOT_FIT if plan.fits is False else EXIT_OK
 
 
 if __name__ == "__main__":

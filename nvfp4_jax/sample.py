@@ -2,15 +2,17 @@
 
   --prompt TEXT          the text to continue (document runs start it with BOS when add_bos)
   --max-new-tokens N     tokens to generate (default 200); stops early at EOS
-  --temperature T        0 (default): greedy; > 0 samples from softmax(logits / T)
+  --temperature T        0 (default): greedy; a finite T >= 1e-06 samples from softmax(logits / T)
   --top-k K              sample among the K likeliest tokens only (0: all)
-  --seed S               the sampling seed (default 0)
+  --seed S               the sampling seed, an integer >= 0 (default 0)
   --tokenizer PATH       the tokenizer file, when the run's tokenizer_path is not found from here
 
 The run's `config.json` gives the model and the tokenizer (a `grain`/`hf` run's tokenizer keys;
 bytes for the byte corpora). The forward pass is BF16 with plain dots (the parameters are the
-same whatever the training recipe), over the last `max_target_length` tokens. Exit codes: 0
-done, 2 a user error, 4 no intact checkpoint (each one `error: ...` line).
+same whatever the training recipe), over the last `max_target_length` tokens. A prompt must be
+valid UTF-8 text (an argument with undecodable bytes is refused). When the newest checkpoint is
+damaged, the next newest intact one is used, after one `warning: ...` line naming both. Exit
+codes: 0 done, 2 a user error, 4 no intact checkpoint (each one `error: ...` line).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -26,6 +29,10 @@ import numpy as np
 from nvfp4_jax.config import Config, ConfigError, from_dict
 
 EXIT_OK, EXIT_USER, EXIT_NO_CHECKPOINT = 0, 2, 4
+# The smallest temperature but 0 (greedy): logits / T, computed in float64 from float32 logits
+# (|logit| < 3.5e38), stays finite for every T >= 1e-6, so softmax never becomes NaN; below it
+# sampling is greedy for every practical purpose anyway.
+MIN_TEMPERATURE = 1e-6
 _DOCUMENT_TYPES = ("grain", "hf")
 
 
@@ -44,6 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default="")
     return parser
+
+
+def _check_utf8(prompt: str) -> None:
+    """ConfigError for a prompt that is not UTF-8 text: Python hands on an argument's undecodable
+    bytes as lone surrogates (surrogateescape), which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = prompt[exc.start:exc.end].encode("utf-8", "surrogateescape")
+        raise ConfigError(f"--prompt is not valid UTF-8 text: bytes {raw!r} at character {exc.start} "
+                          "do not decode; give the prompt as UTF-8.") from None
 
 
 def read_run_config(run_dir: str) -> Config:
@@ -107,6 +125,11 @@ def load_params(run_dir: str, cfg: Config):
         manager.close()
     if restored is None:
         raise ConfigError(f"{ckpt_dir} holds no checkpoint yet.")
+    if restored.rejected:
+        skipped = "; ".join(f"step {step} ({why})" for step, why in restored.rejected)
+        print(f"warning: skipped the damaged checkpoint{'s' if len(restored.rejected) > 1 else ''} "
+              f"{' '.join(skipped.split())} in {ckpt_dir}; sampling from step {restored.step}, the newest "
+              "intact one.", file=sys.stderr, flush=True)
     return restored.state.params, restored.step
 
 
@@ -156,11 +179,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = _parser().parse_args(argv)
-        for name, ok in (("--max-new-tokens", args.max_new_tokens > 0), ("--temperature", args.temperature >= 0),
-                         ("--top-k", args.top_k >= 0)):
+        t = args.temperature
+        for name, ok, allowed in (
+                ("--max-new-tokens", args.max_new_tokens > 0, "must be > 0"),
+                ("--temperature", t == 0 or (math.isfinite(t) and t >= MIN_TEMPERATURE),
+                 f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (logits / temperature "
+                 "must stay finite)"),
+                ("--top-k", args.top_k >= 0, "must be >= 0"),
+                ("--seed", args.seed >= 0, "must be an integer >= 0")):
             if not ok:
-                raise ConfigError(f"{name}={getattr(args, name[2:].replace('-', '_'))} is not allowed: "
-                                  f"{'must be > 0' if name == '--max-new-tokens' else 'must be >= 0'}.")
+                raise ConfigError(f"{name}={getattr(args, name[2:].replace('-', '_'))} is not allowed: {allowed}.")
+        _check_utf8(args.prompt)
         cfg = read_run_config(args.run_dir)
         tokenizer, add_bos, stop_at_eos = run_tokenizer(cfg, args.tokenizer)
         prompt_ids = tokenizer.encode(args.prompt, add_bos=add_bos)

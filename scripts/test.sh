@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up the environment (with the `test` extra) and runs pytest.
 #   scripts/test.sh            the fast tier: every module and every numerics contract, tests
-#                              not marked `slow` (README: minutes on 2 cores)
+#                              not marked `slow` (docs/testing.md: minutes on 2 cores)
 #   scripts/test.sh --all      everything, the slow end-to-end tests included (what CI runs)
 # Other arguments go to pytest, e.g. scripts/test.sh tests/quant -x
 set -euo pipefail

@@ -24,3 +24,24 @@ def test_plan_accepts_positive_numbers(capsys):
     assert plan.main(["model_name=tiny", "--num-devices", "8", "--device-memory-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "fits" in out and "-" not in out.split("model FLOPs per step:")[1].split()[0]
+
+
+def test_plan_refuses_a_memory_size_whose_bytes_overflow(capsys):
+    # 1e300 GiB is a finite float, but 1e300 * 2**30 bytes is inf, and inf "fits" anything.
+    assert plan.main(["model_name=tiny", "--device-memory-gib", "1e300"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: --device-memory-gib=1e+300 is not allowed")
+
+
+def test_max_context_stops_at_the_trainers_int32_limit(capsys):
+    from nvfp4_jax.config import INT32_MAX, load_config
+
+    # A tiny model on a device this large fits any length: the search must stop where the trainer
+    # (config.validate: every integer key within int32) stops accepting max_target_length.
+    assert plan.main(["model_name=tiny", "--device-memory-gib", "1e15", "--max-context"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    length = int(line.split("max_target_length=")[1].split()[0].replace(",", ""))
+    assert length <= INT32_MAX and length + 16 > INT32_MAX
+    assert "the trainer's limit, max_target_length <= 2,147,483,647" in line
+    load_config(["model_name=tiny", f"max_target_length={length}"])  # the trainer accepts it

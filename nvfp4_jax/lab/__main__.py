@@ -6,7 +6,9 @@ SIGTERM/SIGINT stops the study like a run (the current run saves, no further one
 results so far are written) with exit status 75; rerunning resumes it.
 
 `--check results.json [--run NAME]` re-runs one recorded run and reports whether it reproduces
-bit for bit (exit 0) or not (exit 1). `--analyze results.json [--stats_out FILE]` recomputes the
+bit for bit (exit 0) or not (exit 1).
+Bad input (arguments, a results.json missing a field, a metrics.jsonl line that is not JSON) is one
+`error: ...` line with exit status 2. `--analyze results.json [--stats_out FILE]` recomputes the
 statistics of an existing study with this code.
 """
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     # after argparse: usage errors and --help come back before anything heavy loads
     from nvfp4_jax.data import DataError
     from nvfp4_jax.lab.runs import LabError, StudyStopped
-    from nvfp4_jax.train.run_dir import RunLockedError
+    from nvfp4_jax.train.run_dir import MetricsError, RunLockedError
 
     try:
         if args.check and args.analyze:
@@ -87,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except StudyStopped:
         return EXIT_STOPPED
-    except (ConfigError, DataError, LabError, RunLockedError) as exc:
+    except (ConfigError, DataError, LabError, MetricsError, RunLockedError) as exc:
         # RunLockedError: another lab (or training run) is training one of these runs now.
+        # MetricsError: a run's metrics.jsonl holds a line that is not a record (file and line named).
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USER
     return EXIT_OK

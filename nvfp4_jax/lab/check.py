@@ -30,7 +30,41 @@ def load_results(path: str) -> dict[str, Any]:
         raise runs.LabError(f"cannot read {path}: {exc}") from None
     if not isinstance(results, dict) or "study" not in results or "runs" not in results:
         raise runs.LabError(f"{path} is not a lab results.json (no study/runs).")
+    if not isinstance(results["study"], dict) or not isinstance(results["runs"], list):
+        raise runs.LabError(f"{path}: `study` must be an object and `runs` a list.")
     return results
+
+
+_MISSING = object()
+
+
+def field(obj: Any, key: str, where: str, path: str) -> Any:
+    """`obj[key]`; a LabError naming `where.key` in `path` when obj is not an object or lacks it."""
+    value = obj.get(key, _MISSING) if isinstance(obj, dict) else _MISSING
+    if value is _MISSING:
+        raise runs.LabError(f"{path}: {where} has no `{key}` field; a lab results.json records it "
+                            "(written by `python -m nvfp4_jax.lab`).")
+    return value
+
+
+def _run_label(run: Any, index: int, where: str = "runs") -> str:
+    """`runs[3] (te_nvfp4-seed1)`: a run's place in results.json and, where it says, its name."""
+    name = ""
+    if isinstance(run, dict):
+        name = os.path.basename(str(run["run_directory"])) if run.get("run_directory") else (
+            f"{run['arm']}-seed{run['seed']}" if "arm" in run and "seed" in run else "")
+    return f"{where}[{index}]" + (f" ({name})" if name else "")
+
+
+def _check_inputs(results: dict, path: str) -> None:
+    """What --check reads of results.json, each a LabError naming the missing field."""
+    study = results["study"]
+    field(study, "base_args", "study", path)
+    for a, arm in enumerate(field(study, "arms", "study", path)):
+        field(arm, "name", f"study.arms[{a}]", path)
+    for i, run in enumerate(results["runs"]):
+        for key in ("run_directory", "arm", "seed"):
+            field(run, key, _run_label(run, i), path)
 
 
 def _find_run(results: dict, which: str | None) -> dict:
@@ -55,7 +89,7 @@ def config_check(results: dict, record: dict) -> tuple[Any, list[str]]:
     if saved is None:
         raise runs.LabError(f"results.json records no resolved config for {name} (written before "
                             "provenance was recorded): it cannot be checked.")
-    spec = next((a["spec"] for a in study["arms"] if a["name"] == record["arm"]), record["arm"])
+    spec = next((a.get("spec", a["name"]) for a in study["arms"] if a["name"] == record["arm"]), record["arm"])
     wanted = arm_config(config_layers(study["base_args"]), parse_arm(spec), record["seed"],
                         saved["train"]["base_output_directory"])
     recorded = from_dict(saved)
@@ -66,6 +100,7 @@ def check(path: str, *, which: str | None = None, devices=None, log: Callable[[s
     """Re-runs one run of the study at `path` in a fresh directory; True when it reproduces its
     recorded curve and final losses bit for bit. A changed config returns False before training."""
     results = load_results(path)
+    _check_inputs(results, path)
     record = _find_run(results, which)
     recorded, diffs = config_check(results, record)
     name = os.path.basename(record["run_directory"])
@@ -102,6 +137,48 @@ def check(path: str, *, which: str | None = None, devices=None, log: Callable[[s
     return True
 
 
+def _analysis_inputs(results: dict, path: str) -> tuple[list[str], int, list[dict]]:
+    """(arm names, steps, runs) of the study at `path` for --analyze; a LabError naming the field
+    (and the run) when one the statistics need is missing, rather than a comparison silently
+    dropped: no runs, no reference (or no run of it), a finished run without `final_eval_loss`
+    or with an empty `loss_curve`. A run recorded as diverged has no final loss by design."""
+    study = results["study"]
+    arms = field(study, "arms", "study", path)
+    if not isinstance(arms, list) or not arms:
+        raise runs.LabError(f"{path}: study.arms is {arms!r}; it must list the study's arms.")
+    names = [field(a, "name", f"study.arms[{i}]", path) for i, a in enumerate(arms)]
+    steps = field(study, "steps", "study", path)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise runs.LabError(f"{path}: study.steps is {steps!r}; it must be a positive whole number of steps.")
+    reference = field(study, "reference", "study", path)
+    if not results["runs"]:
+        raise runs.LabError(f"{path}: `runs` is empty: there is nothing to analyze.")
+    extended = results.get("extended_runs") or []
+    if not isinstance(extended, list):
+        raise runs.LabError(f"{path}: `extended_runs` must be a list.")
+    everything = [_run_label(r, i) for i, r in enumerate(results["runs"])] + [
+        _run_label(r, i, "extended_runs") for i, r in enumerate(extended)]
+    for label, run in zip(everything, results["runs"] + extended):
+        arm = field(run, "arm", label, path)
+        if arm not in names:
+            raise runs.LabError(f"{path}: {label} has arm {arm!r}, which is not in study.arms "
+                                f"({', '.join(map(str, names))}).")
+        field(run, "seed", label, path)
+        if str(run.get("status", "")).startswith("diverged"):
+            continue
+        if not run.get("extended") and run.get("final_eval_loss") is None:
+            raise runs.LabError(f"{path}: {label} has no `final_eval_loss` (and is not recorded as diverged): "
+                                "its comparisons would be dropped. Complete the run or remove it.")
+        if not run.get("loss_curve"):
+            raise runs.LabError(f"{path}: {label} has an empty or missing `loss_curve`: its training-loss "
+                                "comparisons would be dropped. Complete the run or remove it.")
+    if reference is not None and not any(r.get("arm") == reference and not r.get("extended")
+                                         for r in results["runs"]):
+        raise runs.LabError(f"{path}: study.reference is {reference!r}, but no run of that arm is recorded: "
+                            "every comparison with it would be dropped.")
+    return names, steps, results["runs"] + extended
+
+
 def reanalyze(path: str, out_path: str, *, margin_percent: float = 1.0) -> dict[str, Any]:
     """Recomputes the statistics of the study at `path` with this code and writes them to
     `out_path` with their provenance (this commit; the source file's sha256)."""
@@ -109,9 +186,8 @@ def reanalyze(path: str, out_path: str, *, margin_percent: float = 1.0) -> dict[
     study = results["study"]
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    names = [a["name"] for a in study["arms"]]
-    found = analysis.analyze(results["runs"] + results.get("extended_runs", []), names, study.get("reference"),
-                             study["steps"], margin_percent=margin_percent)
+    names, steps, every_run = _analysis_inputs(results, path)
+    found = analysis.analyze(every_run, names, study["reference"], steps, margin_percent=margin_percent)
     out = {
         "source": {"path": path, "sha256": digest, "provenance": study.get("provenance"),
                    "eval_quantization": "train recipe forward only (predates eval modes)"

@@ -3,7 +3,7 @@
 A run directory holds what `nvfp4_jax.train.loop.run` writes: `config.json` (at the start),
 `metrics.jsonl` (one JSON object per line, appended as the run goes), `summary.json` (at the
 end) and `checkpoints/`. A run whose directory has the same config and a summary is finished and
-only read back; one with the same config and no summary was interrupted and is run again, which
+only read back, once its files bear out the summary (`check_reusable`; else LabError); one with the same config and no summary was interrupted and is run again, which
 resumes it from its latest checkpoint. A directory holding a different config is an error: the
 lab never trains over someone else's run.
 
@@ -64,16 +64,25 @@ def is_finished(run_dir: str, cfg: Config) -> bool:
 
 
 def check_reusable(run_dir: str, cfg: Config) -> None:
-    """Raises LabError when `run_dir` holds a run of a config other than `cfg`."""
+    """Raises LabError when `run_dir` holds a run of a config other than `cfg`, or a finished
+    run whose files do not bear out its summary (`run_dir.finished_run_problems`: metrics.jsonl
+    deleted, short of a step, its last line cut, no final evaluation, a summary that disagrees):
+    reading it back would report numbers its files do not hold."""
     saved = run_dir_lib.read_config(run_dir)
-    if saved is None:
-        return
-    diffs = config_changes(saved, cfg)
-    if diffs:
-        raise LabError(
-            f"{run_dir} holds a run of another config ({'; '.join(diffs)}): remove that directory "
-            "or choose another results folder."
-        )
+    if saved is not None:
+        diffs = config_changes(saved, cfg)
+        if diffs:
+            raise LabError(
+                f"{run_dir} holds a run of another config ({'; '.join(diffs)}): remove that directory "
+                "or choose another results folder."
+            )
+    if is_finished(run_dir, cfg):
+        problems = run_dir_lib.finished_run_problems(run_dir)
+        if problems:
+            raise LabError(
+                f"{run_dir}: the finished run {cfg.train.run_name} cannot be reused: {'; '.join(problems)}. "
+                "Remove that directory to train it again (or restore its files)."
+            )
 
 
 def train_or_reuse(cfg: Config, run_dir: str, *, devices=None) -> str:

@@ -182,7 +182,8 @@ class Llama(nn.Module):
     BF16 layers (`layer_is_quantized` False), which use `jax.lax.dot_general` throughout. Each is
     a zero-argument factory returning a `jax.lax.dot_general`-compatible callable, called once
     per projection; None means `jax.lax.dot_general`. A given dot receives the activations in
-    the compute dtype and the fp32 kernel. The embedding, the LM head, attention's
+    the compute dtype (`[B, L, K]`; in the MLP `[B * L, K]`, see `layers.MLP`) and the fp32
+    kernel. The embedding, the LM head, attention's
     score/context products and the norms never see them.
 
     `attention_kernel` overrides the kernel `cfg.attention` selects (build_model passes the

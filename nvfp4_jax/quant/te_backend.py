@@ -119,24 +119,39 @@ def device_is_blackwell(devices=None) -> bool:
     return False
 
 
+# Fields of TE's recipe classes that default to an environment variable and change the numerics
+# (TE 2.20: 4-over-6 block scaling, row-scaled activations, a high-precision or dequantized
+# backward): pinned to the standard recipe wherever the installed TE has them, so that an
+# NVTE_* variable in the user's shell cannot make TE's GEMMs differ from ours.
+_TE_PINNED = {"row_scaled_activation": False, "nvfp4_4over6": "none", "backward_override": None}
+
+
+def _te_recipe_object(cls, **fields) -> Any:
+    """`cls(**fields)`, with every `_TE_PINNED` field the installed TE's class has pinned."""
+    have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return cls(**fields, **{k: v for k, v in _TE_PINNED.items() if k in have and k not in fields})
+
+
 def te_recipe(recipe: Recipe) -> Any:
     """The `transformer_engine.common.recipe` object with our recipe's numerics."""
     r = require_te()["recipe"]
     if recipe.format == "nvfp4":
-        return r.NVFP4BlockScaling(
+        return _te_recipe_object(
+            r.NVFP4BlockScaling,
             disable_rht=not recipe.rht_wgrad,
             disable_stochastic_rounding=not recipe.sr_gradients,
             disable_2d_quantization=not recipe.two_d_weights,
         )
     if recipe.format == "fp8" and recipe.fp8_scaling == "delayed":
-        return r.DelayedScaling(
+        return _te_recipe_object(
+            r.DelayedScaling,
             margin=recipe.margin,
             fp8_format=r.Format.HYBRID,
             amax_history_len=recipe.amax_history_len,
             amax_compute_algo="max",
         )
     if recipe.format == "fp8":
-        return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID)
+        return _te_recipe_object(r.Float8CurrentScaling, fp8_format=r.Format.HYBRID)
     raise ValueError(
         f"quantization_backend=te has no Transformer Engine recipe for {recipe_name(recipe)} "
         f"(format={recipe.format!r}); use quantization_backend=emulated"

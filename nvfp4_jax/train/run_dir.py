@@ -198,6 +198,53 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     return scan.records
 
 
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and (
+        a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b)))
+
+
+def finished_run_problems(run_dir: str) -> list[str]:
+    """What is wrong with the files of a run whose summary says it is finished (`is_finished`),
+    one phrase each ([] when nothing is): metrics.jsonl missing, a line in it that is not a
+    record or was cut short, a step from 1 to the final one without its training-loss record,
+    no final evaluation record, or a summary whose final losses are not the file's."""
+    summary = read_summary(run_dir) or {}
+    final = summary.get("step_reached", summary.get("steps"))
+    file = os.path.join(run_dir, METRICS)
+    if not os.path.isfile(file):
+        return [f"{METRICS} is missing"]
+    scan = _scan(file)
+    problems = []
+    if scan.bad_lines:
+        problems.append(_bad_lines_text(file, scan.bad_lines))
+    if scan.torn_last:
+        problems.append(f"the last line of {METRICS} is cut short")
+    losses = dict(iter_steps(scan.records, "loss"))
+    missing = [s for s in range(1, final + 1) if s not in losses] if isinstance(final, int) else []
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        problems.append(f"{METRICS} has no training-loss record of step{'s' if len(missing) > 1 else ''} {shown} "
+                        f"({len(missing)} of the {final} steps)")
+    evals = [r for r in scan.records if r.get("step") == final and ("eval_loss" in r or "eval_loss_bf16" in r)]
+    if not evals:
+        problems.append(f"{METRICS} has no final evaluation record (step {final})")
+    else:
+        last = evals[-1]
+        value = last.get("eval_loss", last.get("eval_loss_bf16"))
+        if not _same(summary.get("final_eval_loss"), value):
+            problems.append(f"the summary's final_eval_loss {summary.get('final_eval_loss')!r} is not "
+                            f"{METRICS}'s {value!r} at step {final}")
+        bf16 = summary.get("final_eval_loss_bf16")
+        if bf16 is not None and not _same(bf16, last.get("eval_loss_bf16")):
+            problems.append(f"the summary's final_eval_loss_bf16 {bf16!r} is not "
+                            f"{METRICS}'s {last.get('eval_loss_bf16')!r} at step {final}")
+    if summary.get("final_train_loss") is not None and final in losses \
+            and not _same(summary["final_train_loss"], losses[final]):
+        problems.append(f"the summary's final_train_loss {summary['final_train_loss']!r} is not "
+                        f"{METRICS}'s {losses[final]!r} at step {final}")
+    return problems
+
+
 class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl, each tagged with this segment's id.
 

@@ -93,7 +93,16 @@ def test_run_tokenizer_follows_the_runs_data_keys(tmp_path):
 @pytest.mark.parametrize("setup, args, message", [
     ("none", [], r"is not a run directory: it has no config.json"),
     ("config", [], r"has no checkpoints/ folder"),
-    ("config", ["--temperature", "-1"], r"--temperature=-1.0 is not allowed: must be >= 0"),
+    ("config", ["--temperature", "-1"], r"--temperature=-1.0 is not allowed: must be 0 \(greedy\) or a finite "
+                                        r"number >= 1e-06"),
+    # 1e-320 is a float, but logits / 1e-320 overflow and softmax becomes NaN.
+    ("config", ["--temperature", "1e-320"], r"--temperature=1e-320 is not allowed: must be 0 \(greedy\) or a finite"),
+    ("config", ["--temperature", "inf"], r"--temperature=inf is not allowed"),
+    ("config", ["--temperature", "nan"], r"--temperature=nan is not allowed"),
+    ("config", ["--seed", "-1"], r"--seed=-1 is not allowed: must be an integer >= 0"),
+    # Undecodable argv bytes reach Python as lone surrogates (surrogateescape).
+    ("config", ["--prompt", b"To \xff be".decode("utf-8", "surrogateescape")],
+     r"--prompt is not valid UTF-8 text: bytes b'\\xff' at character 3 do not decode"),
     ("config", ["--top-k", "x"], r"argument --top-k: invalid int value: 'x'"),
     ("tokenizer", [], r"tokenizer_path='tok.json' does not exist\. \(the run's tokenizer; give its path with --tokenizer"),
 ])
@@ -110,3 +119,37 @@ def test_sample_user_errors_are_one_line_exit_2(tmp_path, capsys, setup, args, m
     import re
 
     assert re.search(message, err[0]), err
+
+
+# A damaged checkpoint leaves orbax read coroutines behind; they are reported, not raised.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_damaged_newest_checkpoint_is_named_in_one_warning_with_the_one_used(tmp_path, capsys):
+    from nvfp4_jax import sharding
+    from nvfp4_jax.config import MeshConfig
+    from nvfp4_jax.train import checkpoint
+    from nvfp4_jax.train.build import init_state
+    from nvfp4_jax.train.optimizer import make_optimizer
+
+    cfg = make_config({"model_name": "tiny", "base_num_decoder_layers": 1, "max_target_length": 16,
+                       "base_emb_dim": 32, "base_mlp_dim": 64, "base_num_query_heads": 2,
+                       "base_num_kv_heads": 2, "head_dim": 16})
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    save_json(cfg, str(run / "config.json"))
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    state, _ = init_state(build_model(cfg.model, quantized=True), make_optimizer(cfg.train),
+                          cfg.model.max_target_length, mesh, seed=0)
+    manager = checkpoint.make_manager(str(run / "checkpoints"), max_to_keep=3)
+    for step in (1, 2):
+        checkpoint.save(manager, state.replace(step=jnp.asarray(step, jnp.int32)), {"step": step})
+    manager.close()
+    files = [os.path.join(r, f) for r, _, names in os.walk(run / "checkpoints" / "2" / "state") for f in names]
+    os.remove(max(files, key=os.path.getsize))  # the newest checkpoint loses its largest file
+
+    assert sample.main([str(run), "--prompt", "To be", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert len(warnings) == 1, err
+    assert warnings[0].startswith("warning: skipped the damaged checkpoint step 2 (")
+    assert warnings[0].endswith("; sampling from step 1, the newest intact one.")
+    assert any(line.startswith("[checkpoint step 1 of ") for line in err)

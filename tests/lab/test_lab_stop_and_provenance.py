@@ -28,10 +28,11 @@ def _fake_training(calls, *, signal_after=None, stopped=()):
             return "stopped: SIGTERM"
         os.makedirs(run_dir, exist_ok=True)
         offset = 0.1 * (cfg.model.quantization != "bf16") + 0.01 * cfg.train.seed
+        final = 2.5 + offset
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
             for step in range(1, cfg.train.steps + 1):
                 f.write(json.dumps({"step": step, "loss": 3.0 - step / 100 + offset}) + "\n")
-        final = 2.5 + offset
+            f.write(json.dumps({"step": cfg.train.steps, "eval_loss": final, "eval_loss_bf16": final - 0.01}) + "\n")
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump({"steps": cfg.train.steps, "final_eval_loss": final, "final_eval_loss_bf16": final - 0.01,
                        "stopped_by": None}, f)

@@ -115,7 +115,9 @@ def test_seam_routes_mlp_and_attention_projections_of_quantized_layers_only(vari
     got = [(tag, path, rhs) for tag, path, lhs, rhs in _LOG]
     assert len(got) == len(expected) == 14
     assert set(got) == expected
-    assert all(lhs[:-1] == (B, L) for _, _, lhs, _ in _LOG)
+    # The attention projections see [B, L, K] activations; a given MLP dot sees the tokens
+    # flattened, [B * L, K] (the MLP's elementwise work on the GEMMs' own shape).
+    assert all(lhs[:-1] == ((B * L,) if tag == "mlp" else (B, L)) for tag, _, lhs, _ in _LOG), _LOG
     # Each projection's module owns its own variables, under its projection.
     meta = jax.tree_util.tree_flatten_with_path(abstract["fp8_meta"])[0]
     assert {tuple(k.key for k in path[:-1]) for path, _ in meta} == {p for _, p, _ in expected}

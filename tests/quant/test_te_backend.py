@@ -202,6 +202,37 @@ def test_te_recipe_mapping(fake_te):
     )
 
 
+def test_te_2_20_environment_options_are_pinned(fake_te):
+    """TE 2.20's recipe classes read more options from NVTE_* environment variables at class
+    definition (4-over-6 block scaling, row-scaled activations, a high-precision backward), each
+    a change of numerics: our recipe objects pin them to the standard recipe, whatever the
+    shell said. The fake's defaults play a shell that set them all (TE 2.20's field names)."""
+    r = fake_te().recipe
+
+    @dataclasses.dataclass
+    class NVFP4BlockScaling:  # TE 2.20's fields, with the defaults a user's shell can set
+        disable_rht: bool = True
+        disable_stochastic_rounding: bool = True
+        disable_2d_quantization: bool = True
+        row_scaled_activation: bool = True
+        nvfp4_4over6: str = "all"
+        backward_override: str = "high_precision"
+
+    @dataclasses.dataclass
+    class Float8CurrentScaling:
+        fp8_format: r.Format = r.Format.E4M3
+        backward_override: str = "dequantized"
+
+    r.NVFP4BlockScaling, r.Float8CurrentScaling = NVFP4BlockScaling, Float8CurrentScaling
+    assert te_backend.te_recipe(get_recipe("te_nvfp4")) == NVFP4BlockScaling(
+        False, False, False, row_scaled_activation=False, nvfp4_4over6="none", backward_override=None)
+    assert te_backend.te_recipe(get_recipe("te_fp8_currentscaling")) == Float8CurrentScaling(
+        fp8_format=r.Format.HYBRID, backward_override=None)
+    # A TE without those fields (2.14) gets none of them (it would reject unknown arguments).
+    assert te_backend.te_recipe(get_recipe("te_fp8_delayedscaling")) == r.DelayedScaling(
+        margin=0, fp8_format=r.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max")
+
+
 @pytest.mark.parametrize("flag", ["mxfp4", "mxfp4_nvfp4_recipe"])
 def test_te_has_no_mxfp4(fake_te, flag):
     fake_te()

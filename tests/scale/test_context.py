@@ -330,9 +330,10 @@ def test_nvfp4_quantizes_every_operand_like_fsdp8(name):
 
 @pytest.mark.slow
 def test_the_readme_16k_context_parallel_command_trains(tmp_path):
-    """The README's "Scaling out" command, as written there (2 steps of one 16K sequence on 8
-    devices), with its run directory moved under tmp_path."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+    """The 16K context-parallel command of docs/scaling.md (the README's "Scale out" points
+    there), as written there (2 steps of one 16K sequence on 8 devices), with its run directory
+    moved under tmp_path."""
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
     command = next(b for b in blocks if "ici_context_parallelism=8 per_device_batch_size=0.125" in b
                    and "nvfp4_jax.train" in b)
