@@ -55,6 +55,10 @@ import jax.numpy as jnp
 from nvfp4_jax import config as config_lib
 from nvfp4_jax import flops, projection, sharding
 from nvfp4_jax.config import Config, ConfigError, ModelConfig, load_config
+from nvfp4_jax.model import Llama, layer_blocks, layer_is_quantized, select_attention
+from nvfp4_jax.model.ulysses import kv_repeats
+from nvfp4_jax.quant import get_recipe
+from nvfp4_jax.train.build import ATTENTION_FP8_RECIPE
 
 GIB = 1024**3
 EXIT_OK, EXIT_USER, EXIT_DOES_NOT_FIT = 0, 2, 5
@@ -130,9 +134,6 @@ def _layer_weights(m: ModelConfig) -> tuple[int, int]:
 
 def _quantized_residual_bytes(m: ModelConfig) -> float:
     """Weight bytes one decoder layer's quantized dots keep for the backward pass (no remat)."""
-    from nvfp4_jax.quant import get_recipe
-    from nvfp4_jax.train.build import ATTENTION_FP8_RECIPE
-
     total, mlp = _layer_weights(m)
     recipe = get_recipe(m.quantization)
     out = 0.0 if recipe.is_bf16 else mlp * _QUANTIZED_WEIGHT_BYTES.get((recipe.format, recipe.two_d_weights), 4)
@@ -150,8 +151,6 @@ def activation_bytes(m: ModelConfig, rows_per_device: float, attention_kernel: s
     heads and the MLP width: each device holds `rows * L / context` tokens, with every D-sized
     activation whole and every H-, G- or F-sized one divided by `tensor`.
     """
-    from nvfp4_jax.model import layer_blocks, layer_is_quantized
-
     D, F, L, V = m.base_emb_dim, m.base_mlp_dim / tensor, m.max_target_length, m.vocab_size
     HK, GK = m.base_num_query_heads * m.head_dim / tensor, m.base_num_kv_heads * m.head_dim / tensor
     H, N = m.base_num_query_heads / tensor, m.base_num_decoder_layers
@@ -202,8 +201,6 @@ def communication_bytes(m: ModelConfig, rows_per_device: float, context: int, te
     - tensor: the attention and MLP outputs all-reduced forward, their input gradients backward
       (a ring all-reduce sends 2 (t-1)/t of the buffer): `4 * 2 (t-1)/t * T * D * a`.
     """
-    from nvfp4_jax.model.ulysses import kv_repeats
-
     H, G, K, D = m.base_num_query_heads, m.base_num_kv_heads, m.head_dim, m.base_emb_dim
     a = 2 if m.dtype == "bfloat16" else 4
     T = rows_per_device * m.max_target_length / context
@@ -229,8 +226,6 @@ def local_device_memory() -> float | None:
 @functools.lru_cache(maxsize=None)
 def _parameter_counts(m: ModelConfig, shape: sharding.MeshShape) -> tuple[int, float]:
     """(parameters, elements of one device's shard); independent of the sequence length."""
-    from nvfp4_jax.model import Llama
-
     # Parameter shapes depend on neither the dots nor the attention kernel (cuDNN's cannot even
     # be traced without a GPU).
     model = Llama(m, attention_kernel="dot_product")
@@ -244,8 +239,6 @@ def _parameter_counts(m: ModelConfig, shape: sharding.MeshShape) -> tuple[int, f
 
 def make_plan(cfg: Config, num_devices: int, device_memory_bytes: float | None = None) -> Plan:
     """The plan of `cfg` on `num_devices`; ConfigError for a mesh or batch the run would refuse."""
-    from nvfp4_jax.model import select_attention
-
     shape = sharding.mesh_shape(cfg.mesh, num_devices)
     sharding.check_mesh_sizes(cfg, shape, num_devices)
     m = cfg.model

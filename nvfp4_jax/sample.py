@@ -75,6 +75,7 @@ def read_run_config(run_dir: str) -> Config:
 def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
     """(tokenizer, add_bos, stop_at_eos) the run's data was made with; `tokenizer_path` replaces
     the config's (a relative one is relative to where training started)."""
+    # config errors come back before jax loads
     from nvfp4_jax.data import DataError, load_tokenizer
 
     d = cfg.data
@@ -101,6 +102,7 @@ def next_token(logits_V: np.ndarray, *, temperature: float, top_k: int, rng: np.
 
 def load_params(run_dir: str, cfg: Config):
     """(params, step) of the newest intact checkpoint, restored on one device."""
+    # config errors come back before jax loads
     import jax
 
     from nvfp4_jax import sharding
@@ -133,6 +135,7 @@ def load_params(run_dir: str, cfg: Config):
 
 def bf16_logits(cfg: Config, params):
     """`logits(tokens_1xL) -> fp32 logits_LxV`: the model with plain BF16 dots, jitted once."""
+    # config errors come back before jax loads
     import jax
     import jax.numpy as jnp
 
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return EXIT_OK
+    # config errors come back before jax loads
     from nvfp4_jax.data import DataError
     from nvfp4_jax.train.checkpoint import CheckpointError
 

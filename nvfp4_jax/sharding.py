@@ -15,6 +15,7 @@ import functools
 import math
 from typing import NamedTuple, Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -192,8 +193,6 @@ def _check_tensor(m, tensor: int, context: int) -> None:
 
 def logical_to_sharding(logical_specs, mesh: Mesh):
     """Pytree of logical PartitionSpecs -> pytree of NamedShardings."""
-    import flax.linen as nn
-
     return nn.logical_to_mesh_sharding(logical_specs, mesh, LOGICAL_AXIS_RULES)
 
 
@@ -209,8 +208,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh):
     """Binds the model's logical activation constraints to `mesh` while a function is traced."""
-    import flax.linen as nn
-
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
         yield
 

@@ -51,15 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return EXIT_OK
     command, args = argv[0], argv[1:]
+    # Imported only now: no command and --help answer before jax and the model load.
     from nvfp4_jax.config import ConfigError, parse_overrides
+    from nvfp4_jax.convert.checkpoints import from_hf, to_hf
     from nvfp4_jax.convert.hf import ConvertError
+    from nvfp4_jax.train.checkpoint import CheckpointError
 
     try:
         if command == "from-hf":
             if len(args) < 2 or any(a.startswith("--") for a in args):
                 raise ValueError("from-hf needs HF_DIR OUT [key=value ...] (see --help).")
-            from nvfp4_jax.convert.checkpoints import from_hf
-
             m = from_hf(args[0], args[1], parse_overrides(args[2:]))
             print(f"wrote a parameters checkpoint of {m.base_num_decoder_layers} layers "
                   f"(scan_layers={str(m.scan_layers).lower()}) to {args[1]}; train from it with "
@@ -71,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
             shard = options.get("max-shard-bytes", str(5 * 2**30))
             if not shard.isdigit():
                 raise ValueError(f"--max-shard-bytes={shard!r} must be a positive whole number of bytes.")
-            from nvfp4_jax.convert.checkpoints import to_hf
-            from nvfp4_jax.train.checkpoint import CheckpointError
-
             try:
                 to_hf(positional[0], positional[1], dtype=options.get("dtype", "float32"),
                       max_shard_bytes=int(shard))

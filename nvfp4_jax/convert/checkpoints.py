@@ -17,14 +17,20 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 
-from nvfp4_jax.config import ConfigError, ModelConfig, make_config
-from nvfp4_jax.convert import params as params_lib
+from nvfp4_jax import sharding
+from nvfp4_jax.config import ConfigError, MeshConfig, ModelConfig, from_dict, make_config
 from nvfp4_jax.convert.hf import (
-    EMBEDDING, IGNORED_SUFFIXES, LAYOUT_KEYS, LM_HEAD, ConvertError, Tensor, hf_config,
+    EMBEDDING, IGNORED_SUFFIXES, LM_HEAD, ConvertError, Tensor, hf_config,
     model_keys_from_hf, param_shapes, tensors,
 )
+from nvfp4_jax.train import checkpoint
+from nvfp4_jax.train import params_checkpoint as params_lib
+from nvfp4_jax.train.build import build_model, quantization_backend, state_shardings
+from nvfp4_jax.train.optimizer import make_optimizer
+from nvfp4_jax.train.params_checkpoint import LAYOUT_KEYS
 
 INDEX_FILE = "model.safetensors.index.json"
 # Keys `from-hf` takes besides what config.json implies: where the arrays go in our tree.
@@ -36,6 +42,7 @@ _SAFETENSORS_METADATA = {"format": "pt"}
 
 def _safetensors():
     try:
+        # optional dependency (pip install safetensors)
         import safetensors
         import safetensors.numpy
     except ImportError:
@@ -185,12 +192,6 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
 def _restore_run(src: str):
     """(ModelConfig, params on this process's devices) of a run dir's newest intact checkpoint,
     or of one `<run>/checkpoints/<step>` folder, restored and verified by train.checkpoint."""
-    from nvfp4_jax import sharding
-    from nvfp4_jax.config import MeshConfig, from_dict
-    from nvfp4_jax.train import checkpoint
-    from nvfp4_jax.train.build import build_model, quantization_backend, state_shardings
-    from nvfp4_jax.train.optimizer import make_optimizer
-
     src = os.path.abspath(src)
     step = None
     if os.path.basename(src).isdigit() and os.path.basename(os.path.dirname(src)) == "checkpoints":
@@ -273,8 +274,6 @@ def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: in
     else:
         m, params = _restore_run(src)
     _empty_dir(out_dir, "the output")
-    import ml_dtypes
-
     np_dtype = np.dtype(np.float32 if dtype == "float32" else ml_dtypes.bfloat16)
     # Files planned from the shapes alone, so each can be written tensor by tensor.
     files: list[list[Tensor]] = [[]]

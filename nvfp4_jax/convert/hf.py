@@ -10,27 +10,12 @@ Pure: nothing here reads files or touches devices.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterator, Mapping, NamedTuple
 
 from nvfp4_jax.config import ModelConfig
 from nvfp4_jax.model import layer_blocks
-
-
-class ConvertError(ValueError):
-    """An input the converter cannot use; its message is one line naming the value."""
-
-
-# Our model keys that fix the parameters' shapes or what they compute (the rest are numerics
-# and layout policy of a run). `from-hf` records them; `load_parameters_path` checks them.
-ARCHITECTURE_KEYS = (
-    "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-    "base_mlp_dim", "base_num_decoder_layers", "rope_max_timescale", "rope_scaling_factor",
-    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position",
-    "normalization_layer_epsilon",
-)
-# Keys that decide where each layer's arrays sit in the tree (scanned blocks vs layers_{i}).
-LAYOUT_KEYS = ("scan_layers", "bf16_first_layers", "bf16_last_layers")
+# Defined with the parameters checkpoint, which training reads.
+from nvfp4_jax.train.params_checkpoint import ConvertError
 
 # HF name of decoder layer i's tensors -> (our sub-path inside the layer, transposed?).
 _LAYER_TENSORS = {
@@ -190,13 +175,3 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "dtype": dtype,
     }
-
-
-def model_key_differences(saved: Mapping[str, Any], m: ModelConfig) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, `m`'s value) for each recorded architecture/layout key that differs.
-
-    Layout keys count only where they move arrays: bf16_first/last_layers only when scanned.
-    """
-    keys = ARCHITECTURE_KEYS + (LAYOUT_KEYS if saved.get("scan_layers") or m.scan_layers else ("scan_layers",))
-    ours = dataclasses.asdict(m)
-    return [(k, saved.get(k), ours[k]) for k in keys if saved.get(k) != ours[k]]

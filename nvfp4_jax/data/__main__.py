@@ -26,6 +26,7 @@ import os
 import sys
 
 import numpy as np
+from tqdm import tqdm
 
 from nvfp4_jax.config import TOKENIZER_TYPES
 from nvfp4_jax.data import sources
@@ -80,8 +81,6 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
     if os.path.exists(target) and not overwrite:
         raise DataError(f"{target} already exists; pass --overwrite to replace it.")
     writer_module = require("array_record.python.array_record_module", "prepare")
-    from tqdm import tqdm
-
     try:
         os.makedirs(output, exist_ok=True)
     except OSError as exc:

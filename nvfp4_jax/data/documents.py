@@ -24,7 +24,7 @@ import numpy as np
 from nvfp4_jax.config import DataConfig
 from nvfp4_jax.data import packing, sources
 from nvfp4_jax.data.errors import DataError
-from nvfp4_jax.data.streams import process_rows
+from nvfp4_jax.data.packing import process_rows
 from nvfp4_jax.data.tokenizer import check_vocab, load_tokenizer
 
 _SHUFFLE_STREAM = 2  # beside the window streams' split ids 0 and 1
@@ -83,9 +83,6 @@ class DocumentBatches:
             starts.append(starts[-1] + self.rows_in_epoch(len(starts) - 1))
         epoch = int(np.searchsorted(starts, row, side="right")) - 1
         return epoch, row - starts[epoch]
-
-    def epoch_of(self, step: int) -> int:
-        return self._locate(step * self.global_batch_size)[0]
 
     def notice(self, step: int) -> str | None:
         """A line to show when new epochs of the train split begin inside batch `step`."""

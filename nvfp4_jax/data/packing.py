@@ -21,6 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from nvfp4_jax.data.errors import DataError
+
 BATCH_KEYS = ("inputs", "targets", "inputs_segmentation", "inputs_position", "targets_segmentation")
 
 
@@ -82,3 +84,13 @@ def assemble_row(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray
         row["inputs_position"][at:at + n] = np.arange(n, dtype=np.int32)
         at += n
     return row
+
+
+def process_rows(batch_size: int, process_index: int, process_count: int) -> range:
+    """The rows `[i*B/P, (i+1)*B/P)` of a global batch that process i of P builds."""
+    if process_count < 1 or batch_size % process_count:
+        raise DataError(f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
+    rows = batch_size // process_count
+    return range(process_index * rows, (process_index + 1) * rows)

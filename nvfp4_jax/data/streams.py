@@ -30,7 +30,9 @@ import os
 import numpy as np
 
 from nvfp4_jax.config import DataConfig
+from nvfp4_jax.data.documents import make_document_batches
 from nvfp4_jax.data.errors import DataError
+from nvfp4_jax.data.packing import process_rows
 
 BYTE_VOCAB_SIZE = 256
 SPLITS = {"train": 0, "eval": 1}
@@ -56,16 +58,6 @@ def shakespeare_bytes() -> bytes:
     """The bundled corpus, uncompressed (UTF-8)."""
     resource = importlib.resources.files("nvfp4_jax").joinpath("assets", "shakespeare.txt.xz")
     return lzma.decompress(resource.read_bytes())
-
-
-def process_rows(batch_size: int, process_index: int, process_count: int) -> range:
-    """The rows `[i*B/P, (i+1)*B/P)` of a global batch that process i of P builds."""
-    if process_count < 1 or batch_size % process_count:
-        raise DataError(f"global_batch_size={batch_size} must be divisible by process_count={process_count}.")
-    if not 0 <= process_index < process_count:
-        raise DataError(f"process_index={process_index} must lie in [0, {process_count}).")
-    rows = batch_size // process_count
-    return range(process_index * rows, (process_index + 1) * rows)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -194,8 +186,6 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
                         f"vocab_size={vocab_size} must all be positive.")
     kind = data_cfg.dataset_type
     if kind in ("grain", "hf"):
-        from nvfp4_jax.data.documents import make_document_batches
-
         return make_document_batches(data_cfg, seq_len=seq_len, global_batch_size=global_batch_size,
                                      seed=seed, split=split, vocab_size=vocab_size)
     common = dict(split=split, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed,

@@ -103,6 +103,7 @@ def _floats(text: str, n: int, name: str, default: float | None) -> list:
 
 def build_spec(argv: list[str]):
     """(FederatedSpec, options) from the command line; ConfigError for anything wrong."""
+    # after --help: privacy imports NVFLARE (optional)
     from nvfp4_jax.federated import budget as budget_lib
     from nvfp4_jax.federated import contract as contract_lib
     from nvfp4_jax.federated import privacy as privacy_lib
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec, args, corpus = build_spec(argv)
         if corpus is not None:
+            # split imports the data package (and its tokenizers) only when a corpus is split
             from nvfp4_jax.federated.split import write_site_corpora
 
             try:
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'", file=sys.stderr)
         return 2
+    # job needs NVFLARE (optional), checked just above
     from nvfp4_jax.federated import job as job_lib
 
     if args.export:

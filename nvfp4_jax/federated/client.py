@@ -27,6 +27,7 @@ def _args(argv):
 
 
 def main(argv=None) -> None:
+    # optional dependency (NVFLARE); server imports it too
     import nvflare.client as flare
     from nvflare.app_common.abstract.fl_model import ParamsType
 
@@ -56,6 +57,7 @@ def main(argv=None) -> None:
 
 
 def _train_round(args, site, spec, received, state):
+    # jax and the trainer load in the site process only, once FLARE has started it
     import jax
 
     from nvfp4_jax.config import make_config

@@ -21,6 +21,7 @@ import dataclasses
 import re
 from typing import Mapping
 
+import ml_dtypes
 import numpy as np
 
 KINDS = ("full", "diff", "subset")
@@ -87,8 +88,6 @@ def trainable_paths(c: UpdateContract, paths: list[str], num_layers: int) -> lis
 
 
 def _encode_fp8(x: np.ndarray) -> dict[str, np.ndarray]:
-    import ml_dtypes
-
     amax = float(np.max(np.abs(x))) if x.size else 0.0
     scale = np.float32(_E4M3_MAX / amax) if amax > 0 else np.float32(1.0)
     data = (x.astype(np.float32) * scale).astype(ml_dtypes.float8_e4m3fn)
@@ -96,13 +95,12 @@ def _encode_fp8(x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _decode_fp8(parts: Mapping[str, np.ndarray], shape) -> np.ndarray:
-    import ml_dtypes
-
     data = np.asarray(parts["data"]).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     return (data * np.float32(parts["scale_inv"])).reshape(shape)
 
 
 def _encode_nvfp4(x: np.ndarray) -> dict[str, np.ndarray]:
+    # jax only for nvfp4 compression: the FLARE server otherwise runs without it
     import jax.numpy as jnp
 
     from nvfp4_jax.quant import quantize_nvfp4
@@ -119,9 +117,8 @@ def _encode_nvfp4(x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _decode_nvfp4(parts: Mapping[str, np.ndarray], shape) -> np.ndarray:
+    # jax only for nvfp4 compression: the FLARE server otherwise runs without it
     import jax.numpy as jnp
-    import ml_dtypes
-
     from nvfp4_jax.quant import NVFP4Tensor, dequantize
 
     codes = np.asarray(parts["codes"])

@@ -60,6 +60,7 @@ def _script_args(site: SiteSpec) -> str:
 
 
 def build_job(spec: FederatedSpec):
+    # optional dependency (NVFLARE)
     from nvflare.fuel.utils.constants import FrameworkType
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import ScriptRunner
@@ -80,6 +81,7 @@ def build_job(spec: FederatedSpec):
         enable_tensor_disk_offload=spec.disk_offload,
     ))
     if spec.stream_tensors:
+        # optional dependency (NVFLARE)
         from nvflare.app_opt.tensor_stream.client import TensorClientStreamer
         from nvflare.app_opt.tensor_stream.server import TensorServerStreamer
 
@@ -89,6 +91,7 @@ def build_job(spec: FederatedSpec):
                             framework=FrameworkType.NUMPY), site.name)
         result_filter = privacy_lib.make_filter(spec.privacy, spec.privacy_options)
         if result_filter is not None:
+            # optional dependency (NVFLARE)
             from nvflare.job_config.defs import FilterType
 
             job.to(result_filter, site.name, filter_type=FilterType.TASK_RESULT)

@@ -58,10 +58,12 @@ def make_filter(name: str, options: dict):
     if name == "none":
         return None
     if name == "percentile":
+        # optional dependency (NVFLARE)
         from nvflare.app_common.filters import PercentilePrivacy
 
         return PercentilePrivacy(percentile=options.get("percentile", 10), gamma=options.get("gamma", 0.01))
     if name == "svt":
+        # optional dependency (NVFLARE)
         from nvflare.app_common.filters import SVTPrivacy
 
         return SVTPrivacy(fraction=options.get("fraction", 0.1), epsilon=options.get("epsilon", 0.1),

@@ -74,6 +74,7 @@ class BudgetedFedAvg(FedAvg):
 
     def _eval(self):
         if self._evaluator is None:
+            # the evaluator (jax, the model) loads only when the server evaluates
             from nvfp4_jax.config import make_config
             from nvfp4_jax.federated.site import Evaluator
 

@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # after argparse: usage errors and --help come back before anything heavy loads
     from nvfp4_jax.data import DataError
     from nvfp4_jax.lab.runs import LabError, StudyStopped
     from nvfp4_jax.train.run_dir import MetricsError, RunLockedError
@@ -64,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.check and args.analyze:
             raise LabError("--check and --analyze: choose one.")
         if args.check:
+            # check trains one run: jax only on this path
             from nvfp4_jax.lab.check import check
 
             return EXIT_OK if check(args.check, which=args.run) else EXIT_NOT_REPRODUCED
         if args.analyze:
+            # the analysis path: no jax
             from nvfp4_jax.lab.check import reanalyze
 
             if not args.margin > 0:
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             reanalyze(args.analyze, out, margin_percent=args.margin)
             print(f"[lab] wrote {out}")
             return EXIT_OK
+        # jax loads only when a study trains (--check/--analyze do without it)
         from nvfp4_jax.lab.study import run_study
 
         run_study(

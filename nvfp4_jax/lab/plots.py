@@ -26,6 +26,7 @@ MISSING = "matplotlib is not installed (pip install 'nvfp4_jax[plot]')"
 
 
 def _pyplot():
+    # optional dependency (matplotlib)
     import matplotlib
 
     matplotlib.use("Agg")

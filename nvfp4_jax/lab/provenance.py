@@ -1,5 +1,5 @@
 """Where a study's numbers come from: the commit (and whether the tree was dirty), the package
-versions, the device. A results file without them cannot be regenerated (issue 17)."""
+versions, the device. A results file without them cannot be regenerated."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def versions() -> dict[str, str | None]:
 
 
 def device() -> dict[str, Any]:
+    # the lab reads runs without jax; the device is asked only when recorded
     import jax
 
     devices = jax.devices()

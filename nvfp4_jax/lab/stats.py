@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 def mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
@@ -101,7 +103,7 @@ def paired(a: Sequence[float], b: Sequence[float]) -> TTest:
     return TTest(t, len(d) - 1, t_two_sided_p(t, len(d) - 1))
 
 
-# --- intervals, multiple comparisons, equivalence (issue 17) ------------------------------------
+# --- intervals, multiple comparisons, equivalence ---------------------------------------------
 
 
 def t_quantile(q: float, df: float) -> float:
@@ -145,8 +147,6 @@ def bootstrap_interval(d: Sequence[float], level: float = 0.95, *, resamples: in
     makes it a pure function of `d`."""
     if len(d) < 2:
         return None
-    import numpy as np
-
     x = np.asarray(d, np.float64)
     idx = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
     means = x[idx].mean(axis=1)

@@ -41,6 +41,7 @@ def _arm_note(arm: Arm, cfg: Config, base: Config) -> str:
 
 
 def _environment() -> dict[str, Any]:
+    # the lab reads runs without jax; only a study that trains loads it
     import jax
 
     return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
@@ -139,6 +140,7 @@ def run_study(
                              {"analysis": results["analysis"], "extended_runs": results["extended_runs"]})
         report.write_summary(os.path.join(out_dir, "summary.md"), study, results["summary"], results["analysis"])
 
+    # the training loop (jax) loads only when the study trains
     from nvfp4_jax.train import shutdown
     from nvfp4_jax.train.loop import NonFiniteError
 
@@ -182,6 +184,7 @@ def run_study(
 
 
 def _device_count(devices) -> int:
+    # the lab reads runs without jax; only a study that trains loads it
     import jax
 
     return len(devices) if devices is not None else jax.device_count()

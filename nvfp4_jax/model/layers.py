@@ -42,18 +42,6 @@ PARAM_AXES = {
 }
 
 # Logical axis names of activations; nvfp4_jax.sharding maps them (outside a mesh they are no-ops).
-ACTIVATION_AXES = {
-    "activation_batch": "batch, B",
-    "activation_length": "sequence, L",
-    "activation_embed": "model width of activations, D",
-    "activation_mlp": "MLP hidden width of activations, F",
-    "activation_heads": "attention heads of activations, H or G",
-    "activation_kv": "head dim of activations, K",
-    "activation_vocab": "logits' vocabulary axis, V",
-    "activation_lookup_batch": "batch of the embedding lookup (data-parallel split only), B",
-    "activation_lookup_embed": "model width of the embedding lookup (split like the table), D",
-    "activation_lookup_length": "sequence of the embedding lookup (whole: the table's D split may use the context axis), L",
-}
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLF = ("activation_batch", "activation_length", "activation_mlp")
 BLHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")

@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
 from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm
@@ -123,8 +124,6 @@ def process_allgather_int(value: int) -> list[int]:
     """`value` of every process of the run, by process index ([value] on one process)."""
     if jax.process_count() == 1:
         return [int(value)]
-    from jax.experimental import multihost_utils
-
     return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
 
 
@@ -197,9 +196,10 @@ class Backend:
         """The model's factory of quantized dots for `recipe` on this backend (None for bf16)."""
         return _factory(recipe, self.executor, quant_stats=quant_stats, kernel_dtype=kernel_dtype)
 
-    def scope(self):
-        """What tracing and compiling a model on this backend needs around it."""
-        return self.executor.scope()
+    def scope(self, batch_axes: tuple[str, str]):
+        """What tracing and compiling a model on this backend needs around it, on a mesh whose
+        batch is split over the mesh axes `batch_axes` (`sharding.BATCH_AXES`)."""
+        return self.executor.scope(batch_axes)
 
 
 def resolve_backend(
@@ -211,14 +211,16 @@ def resolve_backend(
     check_te: Optional[Callable[[Recipe], str]] = None,
     allow_xla_fallback: bool = False,
     gather: Optional[Callable[[int], Sequence[int]]] = None,
+    attach_kernels: Optional[Callable[[NVFP4Backend, str], tuple[NVFP4Backend, str]]] = None,
 ) -> Backend:
     """The backend of `quantization_backend=requested`, `quantization=recipe` and
     `quant_kernels` on this process's devices: the one decision about how the GEMMs run.
 
+    `attach_kernels(executor, quant_kernels)` returns the emulated executor with its operands
+    computed as `quant_kernels` says, and who computes them (the caller passes the kernels'
+    selection, which sits above this package); without it only quant_kernels=jnp is possible.
     Raises as `choose_backend` does for a backend that cannot run here.
     """
-    from nvfp4_jax.kernels import select  # the kernels are optional; imported only here
-
     recipe = get_recipe(recipe)
     choice = choose_backend(requested, recipe, probe=probe, check_te=check_te,
                             allow_xla_fallback=allow_xla_fallback, gather=gather)
@@ -234,9 +236,12 @@ def resolve_backend(
             )
         return Backend(choice.name, choice.reason, executor,
                        f"jnp (the {choice.name} backend quantizes its own operands)")
-    kernels = select.operand_kernels(quant_kernels)
-    return Backend(choice.name, choice.reason, select.with_operand_kernels(executor, kernels),
-                   f"{kernels.name} ({kernels.reason})")
+    if attach_kernels is None:
+        if quant_kernels != "jnp":
+            raise ValueError(f"quant_kernels={quant_kernels}: resolve_backend was given no attach_kernels")
+        return Backend(choice.name, choice.reason, executor, "jnp (quant_kernels=jnp)")
+    executor, operands = attach_kernels(executor, quant_kernels)
+    return Backend(choice.name, choice.reason, executor, operands)
 
 
 def _state_collection(recipe: Recipe, backend: str) -> Optional[str]:

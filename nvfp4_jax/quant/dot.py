@@ -101,7 +101,7 @@ class NVFP4Backend:
     # Transformer Engine's executor replaces the whole dot; this one runs the skeleton below.
     replaces_dot: ClassVar[bool] = False
 
-    def scope(self):
+    def scope(self, batch_axes: tuple[str, str]):
         """Nothing is needed around tracing (TE's executor needs its MeshResource)."""
         return contextlib.nullcontext()
 

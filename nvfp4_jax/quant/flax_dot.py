@@ -141,9 +141,9 @@ class DotFactory:
         return QuantDotGeneral(recipe=self.recipe, nvfp4_backend=self.nvfp4_backend,
                                quant_stats=self.quant_stats, kernel_dtype=self.kernel_dtype, **kwargs)
 
-    def scope(self):
+    def scope(self, batch_axes: tuple[str, str]):
         """The backend's context for tracing and compiling (TE's MeshResource; else none)."""
-        return self.nvfp4_backend.scope()
+        return self.nvfp4_backend.scope(batch_axes)
 
 
 def dot_general_factory(

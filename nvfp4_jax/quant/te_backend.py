@@ -63,11 +63,10 @@ class TEBackend:
     name: str = "te"
     replaces_dot: ClassVar[bool] = True
 
-    def scope(self):
-        """TE's MeshResource for our mesh (TE's partitioning reads it while tracing)."""
-        from nvfp4_jax import sharding  # the mesh's axis names, defined once there
-
-        data, fsdp = sharding.BATCH_AXES
+    def scope(self, batch_axes: tuple[str, str]):
+        """TE's MeshResource for our mesh, whose batch is split over the mesh axes `batch_axes`
+        (data, fsdp: `sharding.BATCH_AXES`); TE's partitioning reads it while tracing."""
+        data, fsdp = batch_axes
         return mesh_resource_scope(dp_axis=data, fsdp_axis=fsdp)
 
 
@@ -118,11 +117,6 @@ def device_is_blackwell(devices=None) -> bool:
         if dev.platform == "gpu" and cc is not None:
             return str(cc).split(".")[0] == "10"
     return False
-
-
-def te_supports(recipe: Recipe) -> bool:
-    """TE has recipes for NVFP4 (with its ablation switches) and per-tensor FP8, not MXFP4."""
-    return recipe.format in ("nvfp4", "fp8")
 
 
 # Fields of TE's recipe classes that default to an environment variable and change the numerics

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc, EXIT_NON_FINITE, debug)
     except (CheckpointError, WriteError) as exc:
         return _fail(exc, EXIT_NO_CHECKPOINT, debug)
+    # config errors come back before jax loads (as above)
     import jax
 
     if jax.process_index() == 0:

@@ -7,9 +7,7 @@ more than its shard of the model or optimizer state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from typing import Iterable
 
 import flax.linen as nn
 import jax
@@ -19,7 +17,8 @@ from jax.sharding import Mesh
 
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ConfigError, ModelConfig
-from nvfp4_jax.model import Llama, layer_blocks, select_attention
+from nvfp4_jax.kernels import select as kernel_select
+from nvfp4_jax.model import Llama, select_attention
 from nvfp4_jax.quant import health
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_quant_stats_step, make_train_step
@@ -35,10 +34,17 @@ def quantization_backend(model_cfg: ModelConfig) -> quant.Backend:
     try:
         return quant.resolve_backend(
             model_cfg.quantization_backend, model_cfg.quantization, model_cfg.quant_kernels,
-            allow_xla_fallback=model_cfg.xla_dequantize_fallback,
+            allow_xla_fallback=model_cfg.xla_dequantize_fallback, attach_kernels=_attach_kernels,
         )
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from err
+
+
+def _attach_kernels(executor: quant.NVFP4Backend, choice: str) -> tuple[quant.NVFP4Backend, str]:
+    """The emulated `executor` with the operand quantizer of `quant_kernels=choice`, and who
+    that is and why (the start-up line)."""
+    kernels = kernel_select.operand_kernels(choice)
+    return kernel_select.with_operand_kernels(executor, kernels), f"{kernels.name} ({kernels.reason})"
 
 
 def quant_kernels_line(model_cfg: ModelConfig, backend: quant.Backend) -> str | None:
@@ -106,33 +112,6 @@ def context_attention_warning(model_cfg: ModelConfig, context_ways: int) -> str 
     return None
 
 
-def _top_level_params(model_cfg: ModelConfig) -> set[str]:
-    names = {block.name for block in layer_blocks(model_cfg)}
-    return names | {"token_embedder", "final_norm", "lm_head"}
-
-
-def layout_mismatch(model_cfg: ModelConfig, saved_param_names: Iterable[str]) -> str | None:
-    """Why a checkpoint whose params have these top-level names cannot restore into this layout.
-
-    None when the names are this config's (or match neither layout: then let the restore say
-    what else differs). A scanned checkpoint stacks its decoder layers under `layers`, an
-    unrolled one keeps `layers_{i}`: the same numbers, but a checkpoint holds one layout. Call it
-    with `manager.item_metadata(step)["state"]["params"].keys()` before restoring.
-    """
-    saved = set(saved_param_names)
-    if saved == _top_level_params(model_cfg):
-        return None
-    other = dataclasses.replace(model_cfg, scan_layers=not model_cfg.scan_layers)
-    if saved != _top_level_params(other):
-        return None
-    return (
-        f"The checkpoint holds the scan_layers={other.scan_layers} layout (decoder parameters "
-        f"{'stacked under layers' if other.scan_layers else 'in layers_0, layers_1, ...'}) but this "
-        f"run has scan_layers={model_cfg.scan_layers}: resume with scan_layers={other.scan_layers}, "
-        "or start a new run_name."
-    )
-
-
 def _init_variables(model: nn.Module, seq_len: int, params_key, quant_key) -> dict:
     """`model.init` on one row of `seq_len` tokens: every variable collection, boxed."""
     tokens = jnp.zeros((1, seq_len), jnp.int32)
@@ -157,7 +136,7 @@ def backend_scope(model: Llama):
     """What tracing and compiling `model` needs around it: TE's MeshResource when its MLP runs
     on Transformer Engine (TE's partitioning reads it), nothing otherwise."""
     factory = model.mlp_dot_general_cls
-    return contextlib.nullcontext() if factory is None else factory.scope()
+    return contextlib.nullcontext() if factory is None else factory.scope(sharding.BATCH_AXES)
 
 
 def _in_scope(model: Llama, step):

@@ -31,11 +31,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, ConfigError, to_dict
-from nvfp4_jax.convert import params as params_lib
+from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.quant import health
 from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, resume, run_dir as run_dir_lib
@@ -186,8 +187,6 @@ class _Segment:
                 where = checkpoint.set_aside(self.manager, step, destination)
                 self.console.warn(f"warning: moved the damaged checkpoint step {step} to {where}.")
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("nvfp4_jax: damaged checkpoints set aside")
         directory = str(self.manager.directory)
         self.manager.close()  # it still lists the moved steps
@@ -308,8 +307,6 @@ class _Segment:
             return self.stop.requested
         if step % self.cfg.train.log_period:
             return False
-        from jax.experimental import multihost_utils
-
         return bool(np.any(multihost_utils.process_allgather(np.int32(self.stop.requested))))
 
     # --- the segment ------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from tqdm import tqdm
+
 
 @dataclass(frozen=True)
 class Throughput:
@@ -55,6 +57,4 @@ def progress_bar(start: int, total: int, enabled: bool | None = None):
         enabled = sys.stderr.isatty()
     if not enabled:
         return None
-    from tqdm import tqdm
-
     return tqdm(initial=start, total=total, unit="step", dynamic_ncols=True, leave=False)

@@ -20,7 +20,7 @@ from nvfp4_jax.config import Config, ConfigError, ModelConfig, to_dict
 # Keys a resumed run may change: they steer logging, checkpointing, profiling, where the run
 # lives and how it is laid out on devices, not what it computes (the global batch is checked
 # separately). `steps` stretches the learning-rate schedule from the resume on;
-# `quantization_end_step` moves the BF16 tail. Decided for the three layout keys (issue 20):
+# `quantization_end_step` moves the BF16 tail. Decided for the three layout keys:
 # `remat_policy` is bitwise-neutral and `num_vocab_tiling` changes only the order of the loss's
 # sums, both with the same state tree, so a memory fix may be applied to a resumed run;
 # `quantization_backend` runs the same numerics where the state trees agree (checked against
@@ -35,7 +35,7 @@ RESUME_MUTABLE_KEYS = (
     "context_parallel_strategy",
     "remat_policy", "num_vocab_tiling",
     "quantization_backend",
-    # Which forward pass evaluates (issue 17): never what trains.
+    # Which forward pass evaluates: never what trains.
     "eval_quantization",
     # Where a fresh run's parameters came from (a resume restores its own checkpoint), and
     # whether metrics also go to TensorBoard.
@@ -69,6 +69,7 @@ def config_differences(saved: Mapping[str, Any], cfg: Config, *,
 def check_backend(record: dict, backend, model_cfg: ModelConfig) -> None:
     """ConfigError when a checkpoint `record` was written by a backend whose state tree differs
     from that of `backend` (a `quant.BackendChoice`)."""
+    # quant imports jax; this module stays jax-free at import (the lab)
     from nvfp4_jax import quant
 
     try:
@@ -87,12 +88,8 @@ def check_record(step: int, record: dict[str, Any], *, cfg: Config, run_dir: str
                           "written by nvfp4_jax.train. Start a new run: run_name=<a new name>.")
     check_backend(record, backend, cfg.model)  # a state tree it cannot read
     diffs = config_differences(saved, cfg)
-    saved_batch = record.get("global_batch_size")
-    if saved_batch is None:  # an older checkpoint: the per-device batch must stay as it was
-        old = saved.get("train", {}).get("per_device_batch_size")
-        if old != cfg.train.per_device_batch_size:
-            diffs.append(("per_device_batch_size", old, cfg.train.per_device_batch_size))
-    elif saved_batch != global_batch:
+    saved_batch = record.get("global_batch_size")  # every checkpoint of the loop records it
+    if saved_batch != global_batch:
         diffs.append(("global batch (per_device_batch_size x devices)", saved_batch, global_batch))
     if diffs:
         listing = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diffs)
@@ -119,6 +116,7 @@ def check_checkpointing_off(ckpt_dir: str) -> None:
 
 def start_step(state) -> int:
     """The step a segment starts from: the restored (or fresh) state's own step counter."""
+    # this module stays jax-free at import: the lab compares configs without it
     import jax
 
     return int(jax.device_get(state.step))

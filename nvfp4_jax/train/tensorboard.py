@@ -50,6 +50,7 @@ def event_files(directory: str) -> list[str]:
 def drop_after(directory: str, start: int) -> int:
     """Removes the events of steps > `start` (and a torn last record); returns how many
     scalar events were removed."""
+    # optional dependency (tensorboardX)
     from tensorboardX.proto import event_pb2
 
     dropped = 0
@@ -75,6 +76,7 @@ class TensorBoardWriter:
     """Writes each metrics record as scalars at its step (flushed at once: a kill loses none)."""
 
     def __init__(self, directory: str, *, start: int, learning_rate: Callable[[int], float]):
+        # optional dependency (tensorboardX)
         from tensorboardX import SummaryWriter
 
         os.makedirs(directory, exist_ok=True)
@@ -134,6 +136,7 @@ def with_tensorboard(jsonl, cfg, run_dir: str, start: int, warn: Callable[[str],
         warn(f"warning: {MISSING}: no TensorBoard events for this run; metrics.jsonl has them all "
              "(enable_tensorboard=false silences this).")
         return jsonl
+    # optimizer imports jax; the event-file readers here do not need it
     from nvfp4_jax.train.optimizer import learning_rate_schedule
 
     schedule = learning_rate_schedule(cfg.train)

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from _hf_files import HF_CONFIG, write_hf_dir
 from nvfp4_jax.config import MODEL_PRESETS, ConfigError, make_config
-from nvfp4_jax.convert import params as params_lib
+from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.convert.__main__ import main
 from nvfp4_jax.convert.checkpoints import from_hf, to_hf
 from nvfp4_jax.convert.hf import ConvertError, model_keys_from_hf

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 
 from _hf_files import HF_CONFIG
 from nvfp4_jax.config import load_config
-from nvfp4_jax.convert import params as params_lib
+from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.convert.__main__ import main
 from nvfp4_jax.convert.checkpoints import from_hf
 from nvfp4_jax.convert.hf import model_keys_from_hf

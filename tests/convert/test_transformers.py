@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from _hf_files import HF_CONFIG
-from nvfp4_jax.convert import params as params_lib
+from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.convert.checkpoints import from_hf, to_hf
 from nvfp4_jax.model import Llama
 

@@ -7,20 +7,38 @@ folder without it is an unfinished conversion.
 
 `load_parameters_path` (MaxText's key) starts a run from these parameters with a fresh optimizer
 at step 0; the run's model keys must match the recorded ones, checked before anything compiles.
+It sits in `train` (below `convert`, which writes it and reads training checkpoints), with the
+model keys it records and the error of an unusable input, `ConvertError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from nvfp4_jax.config import ConfigError, ModelConfig
-from nvfp4_jax.convert.hf import (
-    ARCHITECTURE_KEYS, LAYOUT_KEYS, ConvertError, model_key_differences,
+
+
+class ConvertError(ValueError):
+    """An input the converter cannot use; its message is one line naming the value."""
+
+
+# Our model keys that fix the parameters' shapes or what they compute (the rest are numerics
+# and layout policy of a run). `from-hf` records them; `load_parameters_path` checks them.
+ARCHITECTURE_KEYS = (
+    "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+    "base_mlp_dim", "base_num_decoder_layers", "rope_max_timescale", "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position",
+    "normalization_layer_epsilon",
 )
+# Keys that decide where each layer's arrays sit in the tree (scanned blocks vs layers_{i}).
+LAYOUT_KEYS = ("scan_layers", "bf16_first_layers", "bf16_last_layers")
 
 FORMAT = "nvfp4_jax.params/1"
 META_FILE = "params.json"
@@ -38,8 +56,6 @@ def _leaf_dir(out_dir: str, path: tuple[str, ...]) -> str:
 def write_leaf(out_dir: str, path: tuple[str, ...], array: np.ndarray) -> None:
     """Saves one params leaf as its own orbax checkpoint, so that a conversion holds one leaf at
     a time (orbax keeps every array of a save in flight, encoded, until the save ends)."""
-    import orbax.checkpoint as ocp
-
     # Orbax also copies numpy arrays before writing them unless told not to.
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
@@ -92,9 +108,17 @@ def check_load_path(path: str, m: ModelConfig) -> None:
                           f"run with {fix}.")
 
 
-def _leaves(tree) -> list[tuple[tuple[str, ...], Any]]:
-    import jax
+def model_key_differences(saved: Mapping[str, Any], m: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, `m`'s value) for each recorded architecture/layout key that differs.
 
+    Layout keys count only where they move arrays: bf16_first/last_layers only when scanned.
+    """
+    keys = ARCHITECTURE_KEYS + (LAYOUT_KEYS if saved.get("scan_layers") or m.scan_layers else ("scan_layers",))
+    ours = dataclasses.asdict(m)
+    return [(k, saved.get(k), ours[k]) for k in keys if saved.get(k) != ours[k]]
+
+
+def _leaves(tree) -> list[tuple[tuple[str, ...], Any]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf in flat]
 
@@ -123,8 +147,6 @@ def _matching_leaves(path: str, abstract_params) -> list[tuple[tuple[str, ...], 
 def restore(path: str, abstract_params):
     """The params onto `abstract_params`' shapes, dtypes and shardings, leaf by leaf: each
     device reads only its own shards."""
-    import orbax.checkpoint as ocp
-
     wanted = _matching_leaves(path, abstract_params)
     with ocp.StandardCheckpointer() as ckptr:
         return _nest((p, ckptr.restore(_leaf_dir(path, p), {"value": a})["value"]) for p, a in wanted)
@@ -132,8 +154,6 @@ def restore(path: str, abstract_params):
 
 def restore_numpy(path: str) -> dict:
     """The params tree as host numpy arrays (no device involved)."""
-    import orbax.checkpoint as ocp
-
     out = []
     with ocp.PyTreeCheckpointer() as ckptr:
         for name in read_meta(path)["leaves"]:
@@ -151,8 +171,6 @@ def load_into(path: str, state, state_shardings):
     """
     if not path:
         return state
-    import jax
-
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             state.params, state_shardings.params)
     try:
