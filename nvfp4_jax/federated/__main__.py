@@ -18,7 +18,7 @@ Options:
   --trainable T             with --update subset: mlp | last:N | a regex over parameter paths
   --compression C           none | fp8 | nvfp4 (default none), with error feedback on the site
   --privacy F               none | percentile | svt | gaussian (FLARE result filters)
-  --clip-norm X, --noise-multiplier X   options of --privacy gaussian
+  --clip-norm X, --noise-multiplier X   options of --privacy gaussian (noise multiplier > 0 required)
   --dirichlet-alpha A       split the bundled corpus by play between the sites, Dirichlet(A) per
                             genre (default 1.0; used when the data is the bundled corpus)
   --site-data PATH          one per site (repeat N times): each site's own text file
@@ -37,6 +37,7 @@ Exit codes: 0 done, 2 a bad setting (one `error: ...` line), 1 an internal error
 
 from __future__ import annotations
 
+import math
 import argparse
 import dataclasses
 import os
@@ -146,6 +147,9 @@ def build_spec(argv: list[str]):
     if args.privacy != "none" and (not contract.sends_difference or contract.compression != "none"):
         raise ConfigError(f"--privacy={args.privacy} filters uncompressed differences: use --update diff "
                           "(or subset) with --compression none")
+    if args.privacy == "gaussian" and not (args.noise_multiplier > 0 and math.isfinite(args.noise_multiplier)):
+        raise ConfigError(f"--noise-multiplier={args.noise_multiplier} must be positive and finite with "
+                          "--privacy gaussian (without noise it protects nothing)")
     slowdowns = _floats(args.slowdown, n, "slowdown", 1.0)
     if any(not s >= 1.0 for s in slowdowns):
         raise ConfigError(f"--slowdown={args.slowdown!r}: every factor must be >= 1")

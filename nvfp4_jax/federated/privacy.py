@@ -22,18 +22,27 @@ PRIVACY = ("none", "percentile", "svt", "gaussian")
 
 class GaussianPrivacy(DXOFilter):
     """Clip the update to an L2 norm of `clip_norm`, then add Gaussian noise of standard deviation
-    `noise_multiplier * clip_norm` to every coordinate."""
+    `noise_multiplier * clip_norm` to every coordinate.
 
-    def __init__(self, clip_norm: float = 1.0, noise_multiplier: float = 0.0, seed: int = 0):
+    The noise comes from fresh operating-system entropy, drawn on the site when the filter is
+    built: nothing the server or another site knows can regenerate it (with a shared seed every
+    site would add the same noise, which the server could subtract). `insecure_seed` makes the
+    noise reproducible for debugging and is INSECURE: whoever knows the seed can remove the noise.
+    """
+
+    def __init__(self, clip_norm: float = 1.0, noise_multiplier: float = 1.0, insecure_seed: int | None = None):
         super().__init__(supported_data_kinds=[DataKind.WEIGHT_DIFF], data_kinds_to_filter=[DataKind.WEIGHT_DIFF])
         if not (clip_norm > 0 and np.isfinite(clip_norm)):
             raise ValueError(f"clip_norm={clip_norm} must be positive and finite")
-        if not (noise_multiplier >= 0 and np.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier={noise_multiplier} must be >= 0 and finite")
+        if not (noise_multiplier > 0 and np.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier={noise_multiplier} must be positive and finite "
+                             "(without noise the Gaussian mechanism protects nothing)")
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        # The constructor's arguments are what FLARE writes into the job's config: a site's
+        # filter gets None here, so it seeds itself from the OS.
+        self.insecure_seed = insecure_seed
+        self._rng = np.random.default_rng(insecure_seed)
 
     def process_dxo(self, dxo: DXO, shareable, fl_ctx):
         dxo.data = clip_and_noise(dxo.data, self.clip_norm, self.noise_multiplier, self._rng)
@@ -70,5 +79,5 @@ def make_filter(name: str, options: dict):
                           noise_var=options.get("noise_var", 0.1), gamma=options.get("gamma", 1e-5))
     if name == "gaussian":
         return GaussianPrivacy(clip_norm=options.get("clip_norm", 1.0),
-                               noise_multiplier=options.get("noise_multiplier", 0.0))
+                               noise_multiplier=options["noise_multiplier"])
     raise ValueError(f"privacy={name!r} is not one of {', '.join(PRIVACY)}")

@@ -35,6 +35,8 @@ def test_spec_from_the_command_line(tmp_path):
     (["--update", "full", "--compression", "fp8"], "compresses differences"),
     (["--privacy", "gaussian", "--compression", "nvfp4"], "filters uncompressed differences"),
     (["--privacy", "laplace"], "--privacy='laplace'"),
+    (["--privacy", "gaussian"], "--noise-multiplier=0.0 must be positive"),
+    (["--privacy", "gaussian", "--noise-multiplier", "-1"], "--noise-multiplier=-1.0 must be positive"),
     (["--sites", "2", "--site-data", "/no/such/file"], "given 1 times for --sites=2"),
     (["--sites", "1", "--site-data", "/no/such/file"], "is not a file"),
     (["--samples-per-round", "14"], "multiple of the global batch"),
@@ -66,3 +68,7 @@ def test_export_writes_a_flare_job_folder(tmp_path):
     assert "BudgetedFedAvg" in server and '"num_rounds": 3' in server
     client = (tmp_path / "jobs" / spec.name / "app_site-1" / "config" / "config_fed_client.json").read_text()
     assert "GaussianPrivacy" in client and "client.py" in client
+    # The site's filter gets no seed: it draws its noise from the OS, not from anything in the job.
+    import json
+    (site_filter,) = [f for entry in json.loads(client)["task_result_filters"] for f in entry["filters"]]
+    assert site_filter["args"] == {"noise_multiplier": 0.1}
