@@ -5,7 +5,7 @@
 (`scripts/device_check.sh` runs it; tests/test_device_check.py runs its checks on CPU.) Every
 check runs the same jitted function on the accelerator and on the CPU device of this process and
 compares the results bit for bit (`nvfp4_jax.bitwise`); the quantizer checks also compare with
-the numpy transcription of NVFP4_SPEC.md (`nvfp4_jax.nvfp4_spec`, IEEE float32 without
+the numpy transcription of the numerical contract (docs/numerics.md) (`nvfp4_jax.nvfp4_spec`, IEEE float32 without
 flushing), and the kernel checks use the kernels' own self-check comparison
 (`nvfp4_jax.kernels.select.kernels_vs_reference`). One line per check, then a JSON report in DIR (default: $OUT,
 else benchmarks/results/gpu/). Exit code 1 if any check fails.

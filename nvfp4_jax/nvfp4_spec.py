@@ -1,4 +1,4 @@
-"""NVFP4_SPEC.md transcribed into numpy, and the test data that stresses it.
+"""The numerical contract (docs/numerics.md) transcribed into numpy, and the test data that stresses it.
 
 Written from the spec, independently of `nvfp4_jax.quant`: numpy's float32 is IEEE 754 with
 correctly rounded division and no flushing of subnormals, so it is the reference every backend

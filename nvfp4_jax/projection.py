@@ -25,7 +25,7 @@ from typing import Mapping
 
 from nvfp4_jax.config import ModelConfig
 
-# Measured by this project on an H200 (jax 0.11.2, CUDA 13; ../shared/README.md): a bf16 GEMM of
+# Measured by this project on an H200 (jax 0.11.2, CUDA 13): a bf16 GEMM of
 # 8192x4096x14336 (the Llama 3 8B MLP shape) at ~580 TFLOP/s of the 989 TFLOP/s dense peak, and a
 # device copy at ~3.9 TB/s of the 4.8 TB/s HBM peak. One factor each, used for every GEMM and
 # every memory-bound term on every device.

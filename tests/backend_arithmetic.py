@@ -1,6 +1,6 @@
 """Emulate, on XLA:CPU, the float32 arithmetic that other backends are allowed to produce.
 
-Two freedoms a GPU backend really takes (NVFP4_SPEC.md, "Every device must give the same bits"):
+Two freedoms a GPU backend really takes (docs/numerics.md, "Same bits on every backend"):
 
 - **Faithfully rounded division.** XLA:GPU lowers float32 division to PTX `div.full.f32`,
   which may be off by up to 2 ulp (openxla/xla issue 37181). `faithful_division()` re-lowers

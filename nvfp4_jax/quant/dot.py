@@ -1,7 +1,7 @@
 """The quantized GEMM of one linear layer, as a drop-in for `jax.lax.dot_general`.
 
 For `Y = X . W` (X `[T, K]` with all leading dims flattened into tokens T, W `[K, N]`) the
-custom VJP below writes out the three GEMMs of NVFP4_SPEC.md section 7 once, for every format,
+custom VJP below writes out the three GEMMs of docs/recipes.md's operand table once, for every format,
 each operand quantized for its own usage:
 
     FPROP  Y  = X   . W     X 1x16 along K (RN)          W 16x16 tiles (RN)
@@ -14,7 +14,7 @@ where the backward reuses a forward quantization). What varies by format is a qu
 such operands, and an optional state update (delayed FP8's amax history). The statistics hook
 lives in "quantize an operand", once.
 
-What an NVFP4 backend varies is two small functions (STYLE.md, practice 15), bundled as an
+What an NVFP4 backend varies is two small functions, bundled as an
 `NVFP4Backend`:
 
 - `operand(x, spec, key)`: quantize one GEMM operand as its `OperandSpec` says. The reference

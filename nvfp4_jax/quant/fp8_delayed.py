@@ -1,6 +1,6 @@
 """Per-tensor FP8 scales: TE's delayed scaling (an amax history) and current scaling.
 
-HYBRID format (NVFP4_SPEC.md section 10): X and W in E4M3, the output gradient dY in E5M2.
+HYBRID format (docs/recipes.md): X and W in E4M3, the output gradient dY in E5M2.
 
 Delayed scaling keeps, per linear layer and per tensor role (`x`, `w`, `dy`), an amax history of
 `amax_history_len` steps and the scale computed from it. Step t quantizes with the stored scale,

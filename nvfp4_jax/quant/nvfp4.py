@@ -1,4 +1,4 @@
-"""NVFP4 quantization: the bit-exact reference of Transformer Engine 2.14+ (NVFP4_SPEC.md).
+"""NVFP4 quantization: the bit-exact reference of Transformer Engine 2.14+ (docs/numerics.md).
 
 One implementation of the math, the block quantizer `quantize_blocks(x, spec, key)`, serves
 every form: `gemm_operand` / `nvfp4_gemm_operand` (unpacked bf16 values, what the emulated GEMM
@@ -228,7 +228,7 @@ def encode_blocks(blocks: Blocks, factors: TensorFactors, key=None) -> BlockCode
     else:
         codes = F.e2m1_rn_codes(y)
     # A non-finite tensor's codes are all 0 (+0), whatever NaN a backend's arithmetic made of
-    # its elements: the NaN scales alone say "not finite" (NVFP4_SPEC.md has no E2M1 NaN).
+    # its elements: the NaN scales alone say "not finite" (E2M1 has no NaN).
     codes = jnp.where(nonfinite, NONFINITE_CODE, codes)
     return BlockCodes(codes, s_b, scales.reshape(lay.scale_shape), blocks.amax, lay, factors.decode)
 

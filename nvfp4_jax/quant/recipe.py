@@ -30,7 +30,7 @@ _FP4_FORMATS = ("nvfp4", "mxfp4")
 class Recipe:
     """The numerics of one linear layer's FPROP, DGRAD and WGRAD GEMMs.
 
-    Why these fields (NVFP4_SPEC.md sections 4-7 and 10):
+    Why these fields (docs/recipes.md and docs/numerics.md):
 
     - `format`: the element format of every GEMM operand. "bf16" is plain `lax.dot_general`;
       "nvfp4" is E2M1 with E4M3 block scales and an fp32 per-tensor scale; "mxfp4" is E2M1 with

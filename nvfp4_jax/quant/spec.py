@@ -1,6 +1,6 @@
 """`OperandSpec`: how one GEMM operand is quantized for its role (pure data, no jax).
 
-A linear layer `Y = X . W` quantizes up to six operands (NVFP4_SPEC.md section 7): X and W for
+A linear layer `Y = X . W` quantizes up to six operands (docs/recipes.md's operand table): X and W for
 FPROP, dY and (1x16 weights only) W again for DGRAD, X and dY again for WGRAD. Each is a 2-D
 tensor whose block axis is the contraction axis of the GEMM it feeds. A spec says which role it
 plays and how it is blocked and rounded; the format's block quantizer (`nvfp4.quantize_blocks`,

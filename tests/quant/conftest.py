@@ -2,7 +2,7 @@
 the arithmetic a GPU backend may legally use (faithfully rounded division, FMA contraction).
 
 A module opts in with `pytestmark = pytest.mark.usefixtures("arithmetic")`; every bit-exactness
-test then runs twice and must give the same bits both times (STYLE.md practice 16).
+test then runs twice and must give the same bits both times.
 """
 
 import pytest

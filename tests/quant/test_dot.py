@@ -1,4 +1,4 @@
-"""The quantized dot_general: each of the three GEMMs gets the operands NVFP4_SPEC.md section 7 says.
+"""The quantized dot_general: each of the three GEMMs gets the operands docs/recipes.md's table says.
 
 Tolerances are stated where they are used. Shapes are tiny; T=32 tokens, K=64, N=32 unless a
 test needs otherwise (no operand is 16x16, so the RHT's own 16x16 dots are easy to tell apart).

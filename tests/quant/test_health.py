@@ -1,6 +1,6 @@
 """Quantization health statistics: hand-built tensors with known answers, the dot's wiring, scan.
 
-Expected values are derived by hand from NVFP4_SPEC.md (block scale = e4m3(amax_b * S_enc / 6),
+Expected values are derived by hand from the contract in docs/numerics.md (block scale = e4m3(amax_b * S_enc / 6),
 S_enc = 2688 / amax), never read off the implementation.
 """
 
@@ -179,7 +179,7 @@ def test_the_dot_returns_each_operands_statistics_and_leaves_the_gemms_alone(fla
 
 
 def _reference_stats(recipe, x, w, g, key):
-    """Each operand's statistics computed directly, from NVFP4_SPEC.md section 7's table of
+    """Each operand's statistics computed directly, from docs/recipes.md's table of
     which tensor each GEMM quantizes along which axis (g: the cotangent of the fp32 output)."""
     if recipe.format in ("nvfp4", "mxfp4"):
         # The NVFP4 recipe's operand handling is the same for both FP4 formats.

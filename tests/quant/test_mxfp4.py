@@ -126,7 +126,7 @@ def ref_exponent(amax):
 
 
 def ref_sr(y, noise):
-    """NVFP4_SPEC.md section 6 on float32 |y| <= 6, in float32 as written there: t = |y| + u *
+    """the stochastic-rounding rule of docs/numerics.md on float32 |y| <= 6, in float32 as written there: t = |y| + u *
     step(|y|) with u = byte / 256, then t rounded down on the E2M1 grid (at most 6)."""
     def step(v):
         return np.where(v >= 4, 2.0, np.where(v >= 2, 1.0, 0.5)).astype(np.float32)

@@ -1,5 +1,5 @@
 """NVFP4 quantizer against hand-derived vectors and a float32/float64 numpy transcription of
-NVFP4_SPEC.md (nvfp4_jax/nvfp4_spec.py, written independently of the implementation), plus
+docs/numerics.md (nvfp4_jax/nvfp4_spec.py, written independently of the implementation), plus
 properties. Every test runs under IEEE and under GPU-legal float32 arithmetic."""
 
 import jax

@@ -117,7 +117,7 @@ def test_negative_zero_and_every_code_survive_the_float4_cast():
 
 def test_each_gemm_hands_scaled_matmul_the_spec_operands():
     """Record the three scaled_matmul calls of forward+backward (te_nvfp4) and check each
-    operand pair against the emulated quantizer applied as NVFP4_SPEC.md section 7 says."""
+    operand pair against the emulated quantizer applied as docs/recipes.md's table says."""
     calls = []
 
     def recording(*args, **kw):
