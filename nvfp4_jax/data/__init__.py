@@ -11,11 +11,11 @@ Grain, tokenizers and datasets are imported only when a config asks for them.
 
 from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.data.streams import (
-    BYTE_VOCAB_SIZE, SPLITS, TokenBatches, decode, encode, make_dataset, shakespeare_bytes,
+    BYTE_VOCAB_SIZE, SPLITS, TokenBatches, decode, encode, eval_boundary, make_dataset, shakespeare_bytes,
 )
 from nvfp4_jax.data.tokenizer import TOKENIZER_TYPES, Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
     "BYTE_VOCAB_SIZE", "SPLITS", "TOKENIZER_TYPES", "DataError", "TokenBatches", "Tokenizer", "check_vocab",
-    "decode", "encode", "load_tokenizer", "make_dataset", "shakespeare_bytes",
+    "decode", "encode", "eval_boundary", "load_tokenizer", "make_dataset", "shakespeare_bytes",
 ]

@@ -54,6 +54,11 @@ def decode(ids) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def eval_boundary(total: int, eval_fraction: float) -> int:
+    """Where a stream of `total` tokens splits: [0, boundary) is train, [boundary, total) eval."""
+    return total - int(total * eval_fraction)
+
+
 def shakespeare_bytes() -> bytes:
     """The bundled corpus, uncompressed (UTF-8)."""
     resource = importlib.resources.files("nvfp4_jax").joinpath("assets", "shakespeare.txt.xz")
@@ -203,7 +208,7 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens, grain, hf.")
 
     total = len(tokens)
-    boundary = total - int(total * data_cfg.eval_fraction)
+    boundary = eval_boundary(total, data_cfg.eval_fraction)
     start, stop = (0, boundary) if split == "train" else (boundary, total)
     if stop - start < seq_len + 1:
         raise DataError(

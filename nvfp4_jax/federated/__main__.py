@@ -169,7 +169,8 @@ def build_spec(argv: list[str]):
     data_paths = list(args.site_data)
     corpus = None
     if not data_paths and cfg.data.dataset_type == "shakespeare":
-        corpus = (os.path.join(run_dir, "site_data"), args.dirichlet_alpha, cfg.train.seed)
+        # The sites hold only the text before the eval split the server evaluates on.
+        corpus = (os.path.join(run_dir, "site_data"), args.dirichlet_alpha, cfg.train.seed, cfg.data.eval_fraction)
         if not (args.dirichlet_alpha > 0):
             raise ConfigError(f"--dirichlet-alpha={args.dirichlet_alpha} must be > 0")
         data_paths = [os.path.join(corpus[0], f"site-{i}.txt") for i in range(1, n + 1)]
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             from nvfp4_jax.federated.split import write_site_corpora
 
             try:
-                holdings = write_site_corpora(corpus[0], len(spec.sites), corpus[1], corpus[2])
+                holdings = write_site_corpora(corpus[0], len(spec.sites), *corpus[1:])
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             for h in holdings:

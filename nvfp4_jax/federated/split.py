@@ -6,6 +6,11 @@ and other tragedies: the folders the bundled
 proportions drawn from `Dirichlet(alpha)`: a large alpha spreads every genre evenly (close to
 IID), a small one gives each genre to one or two sites (strongly non-IID). Every play goes to
 exactly one site, and every site gets at least one play.
+
+The server evaluates the global model on the corpus's eval split (its last `eval_fraction` of
+bytes, `data.eval_boundary`), so the sites' files hold only the text before it
+(`training_plays`): the plays after the boundary stay with the server, and the play it cuts
+keeps only its first part. No site trains on a byte the server evaluates on.
 """
 
 from __future__ import annotations
@@ -45,6 +50,23 @@ def bundled_plays() -> list[Play]:
             for s, e, g in zip(starts, ends, genres)]
 
 
+def training_plays(eval_fraction: float) -> list[Play]:
+    """The plays as the sites may hold them: each cut at the corpus's eval boundary (a play that
+    starts after it is left out, the one it falls in keeps its part before it)."""
+    corpus = data_lib.shakespeare_bytes()
+    boundary = data_lib.eval_boundary(len(corpus), eval_fraction)
+    out, offset = [], 0
+    for play in bundled_plays():
+        raw = play.text.encode("utf-8")
+        if offset >= boundary:
+            break
+        if offset + len(raw) > boundary:  # the play holding the boundary: its train part only
+            play = dataclasses.replace(play, text=raw[: boundary - offset].decode("utf-8", errors="ignore"))
+        out.append(play)
+        offset += len(raw) + 1  # the plays are joined by one newline
+    return out
+
+
 def dirichlet_split(genres: list[str], num_sites: int, alpha: float, seed: int) -> list[list[int]]:
     """Play indices per site: for each genre, proportions ~ Dirichlet(alpha, ..., alpha) over the
     sites, and that genre's plays dealt out in those proportions."""
@@ -73,9 +95,11 @@ def dirichlet_split(genres: list[str], num_sites: int, alpha: float, seed: int) 
     return [sorted(s) for s in sites]
 
 
-def write_site_corpora(directory: str, num_sites: int, alpha: float, seed: int) -> list[dict]:
-    """Writes `site-<i>.txt` for each site into `directory`; returns what each holds."""
-    plays = bundled_plays()
+def write_site_corpora(directory: str, num_sites: int, alpha: float, seed: int,
+                       eval_fraction: float) -> list[dict]:
+    """Writes `site-<i>.txt` for each site into `directory`, from the corpus before the server's
+    eval split (`training_plays(eval_fraction)`); returns what each holds."""
+    plays = training_plays(eval_fraction)
     assignment = dirichlet_split([p.genre for p in plays], num_sites, alpha, seed)
     os.makedirs(directory, exist_ok=True)
     out = []

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nvfp4_jax import data as data_lib
-from nvfp4_jax.federated.split import bundled_plays, dirichlet_split, write_site_corpora
+from nvfp4_jax.federated.split import bundled_plays, dirichlet_split, training_plays, write_site_corpora
 
 
 def test_the_corpus_is_its_38_plays_in_order():
@@ -44,9 +44,9 @@ def test_alpha_controls_how_non_iid_the_sites_are():
 
 
 def test_site_files_hold_their_plays(tmp_path):
-    holdings = write_site_corpora(str(tmp_path), 3, alpha=1.0, seed=0)
+    holdings = write_site_corpora(str(tmp_path), 3, alpha=1.0, seed=0, eval_fraction=0.05)
     assert [h["site"] for h in holdings] == ["site-1", "site-2", "site-3"]
-    assert sum(h["plays"] for h in holdings) == 38
+    assert sum(h["plays"] for h in holdings) == len(training_plays(0.05))
     for h in holdings:
         assert (tmp_path / f"{h['site']}.txt").stat().st_size == h["bytes"]
 
@@ -57,3 +57,26 @@ def test_bad_splits():
         dirichlet_split(genres, 39, 1.0, 0)
     with pytest.raises(ValueError, match="dirichlet_alpha=0"):
         dirichlet_split(genres, 2, 0.0, 0)
+
+
+def test_the_training_plays_are_the_corpus_before_its_eval_split():
+    corpus = data_lib.shakespeare_bytes()
+    boundary = data_lib.eval_boundary(len(corpus), 0.05)
+    plays = training_plays(0.05)
+    assert 30 < len(plays) < 38  # the last plays are held out whole, one is cut
+    assert "\n".join(p.text for p in plays).encode("utf-8") == corpus[:boundary]
+
+
+@pytest.mark.parametrize("num_sites, seed", [(1, 0), (3, 0), (3, 2), (5, 7)])
+def test_no_site_file_shares_text_with_the_servers_eval_split(tmp_path, num_sites, seed):
+    """Every 200-byte window of the server's eval text (stride 100) is absent from every site's
+    file. With whole plays dealt out (the old split) the sites held 2,490 of the 2,492 windows
+    (3 sites, seed 0): the eval text was training text."""
+    corpus = data_lib.shakespeare_bytes()
+    held_out = corpus[data_lib.eval_boundary(len(corpus), 0.05):]
+    write_site_corpora(str(tmp_path), num_sites, alpha=0.5, seed=seed, eval_fraction=0.05)
+    windows = [held_out[i:i + 200] for i in range(0, len(held_out) - 200, 100)]
+    for site in range(1, num_sites + 1):
+        text = (tmp_path / f"site-{site}.txt").read_bytes()
+        shared = [w for w in windows if w in text]
+        assert not shared, f"site-{site} holds {len(shared)} of {len(windows)} eval windows"
