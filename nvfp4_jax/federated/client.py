@@ -80,6 +80,12 @@ def _train_round(args, site, spec, received, state):
         update = {k: v - received.params[k] for k, v in result.params.items()}
     else:
         update = result.params
+    if not contract_lib.all_finite(update):
+        # Folding it into the error-feedback residual would poison every later round: reset it,
+        # and send nothing (the server leaves this site out of the round).
+        state["residual"] = None
+        raise RuntimeError(f"round {spec['round']}: the update is not finite (NaN or Inf); "
+                           "it is not sent and the error-feedback residual is reset")
     payload, shapes, state["residual"] = contract_lib.encode(update, contract.compression, state["residual"])
     report = {
         "samples": result.samples, "steps": result.steps, "seconds": result.seconds,

@@ -137,6 +137,11 @@ def _decode_nvfp4(parts: Mapping[str, np.ndarray], shape) -> np.ndarray:
 _CODECS = {"fp8": (_encode_fp8, _decode_fp8), "nvfp4": (_encode_nvfp4, _decode_nvfp4)}
 
 
+def all_finite(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether every value of every array is finite: a NaN or Inf update is never averaged in."""
+    return all(bool(np.isfinite(np.asarray(v, np.float32)).all()) for v in arrays.values())
+
+
 def encode(update: Mapping[str, np.ndarray], compression: str,
            residual: Mapping[str, np.ndarray] | None = None):
     """`(payload, shapes, new_residual)`: the arrays to transmit, each leaf's shape, and the

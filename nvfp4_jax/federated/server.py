@@ -126,6 +126,11 @@ class BudgetedFedAvg(FedAvg):
             return False
         if self._contract.compression != "none":
             result.params = contract_lib.decode(result.params, self._contract.compression, report["shapes"])
+        if not contract_lib.all_finite(result.params):
+            # Checked on the server too: a site's own check cannot be relied on.
+            self._reports[site] = {"failed": True, "error": "non-finite update (NaN or Inf)"}
+            self.warning(f"site {site} sent a non-finite update this round; it is left out of the average")
+            return False
         self._reports[site] = {k: report.get(k) for k in
                                ("samples", "steps", "seconds", "joules", "payload_bytes", "train_loss")}
         if site in self._costs:

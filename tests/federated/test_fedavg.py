@@ -28,3 +28,37 @@ def test_a_failed_site_is_left_out_of_the_round():
     # failure and never reaches the aggregator.
     assert ctrl._aggregate_one_result(FLModel(params={}, meta={"client_name": "site-2"})) is False
     assert ctrl._reports == {"site-2": {"failed": True}}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_update_is_refused_not_averaged(bad):
+    from nvflare.app_common.abstract.fl_model import FLModel
+
+    from nvfp4_jax.federated.server import META_KEY, BudgetedFedAvg
+
+    ctrl = BudgetedFedAvg(run_config={}, site_names=["site-1", "site-2"], num_rounds=1,
+                          budget_policy={"name": "equal", "total_samples": 4, "quantum": 2},
+                          update_contract={"kind": "diff"})
+    ctrl._reports = {}
+    report = {"samples": 2, "steps": 1, "seconds": 0.1, "payload_bytes": 16, "train_loss": 1.0}
+    update = {"w": np.array([0.1, bad, 0.2, 0.3], np.float32)}
+    assert ctrl._aggregate_one_result(FLModel(params=update, meta={"client_name": "site-1", META_KEY: report})) is False
+    assert ctrl._reports == {"site-1": {"failed": True, "error": "non-finite update (NaN or Inf)"}}
+
+
+def test_a_site_with_a_non_finite_update_sends_nothing_and_resets_its_residual():
+    from types import SimpleNamespace
+
+    from nvfp4_jax.federated import client
+
+    def train_round(params, budget):
+        return SimpleNamespace(params={"w": np.array([np.nan, 1.0], np.float32)}, samples=budget, steps=1,
+                               seconds=0.1, joules=None, train_loss=1.0)
+
+    # The residual of earlier rounds' fp8 compression error: it must not absorb the NaN.
+    state = {"trainer": SimpleNamespace(train_round=train_round), "residual": {"w": np.ones(2, np.float32)}}
+    spec = {"round": 3, "contract": {"kind": "diff", "compression": "fp8"}, "budgets": {"site-1": 2}}
+    received = SimpleNamespace(params={"w": np.zeros(2, np.float32)})
+    with pytest.raises(RuntimeError, match="not finite"):
+        client._train_round(SimpleNamespace(crash_in_round=0), "site-1", spec, received, state)
+    assert state["residual"] is None
