@@ -6,7 +6,7 @@
     analysis.py the metrics (train-loss tail, both validation losses, tokens to target) and the
                 comparisons worded from the corrected statistics
     provenance.py  commit, dirty flag, package versions, device
-    check.py    --check (re-run one run, bit for bit) and --analyze (recompute statistics)
+    check.py    --check (re-derive the file's numbers, re-run one run bit for bit) and --analyze
     report.py   the summary over seeds, results.json, summary.md
     plots.py    loss curves, gaps to the reference, quantization-health heat maps (matplotlib)
     study.py    run_study: every arm over every seed, then the report

@@ -6,7 +6,8 @@ SIGTERM/SIGINT stops the study like a run (the current run saves, no further one
 results so far are written) with exit status 75; rerunning resumes it.
 
 `--check results.json [--run NAME]` re-runs one recorded run and reports whether it reproduces
-bit for bit (exit 0) or not (exit 1).
+bit for bit (exit 0) or not (exit 1); derived numbers (train tails, summary, analysis) that the
+file's curves and final losses do not give fail it (exit 1, each named) before anything trains.
 Bad input (arguments, a results.json missing a field, a metrics.jsonl line that is not JSON) is one
 `error: ...` line with exit status 2. `--analyze results.json [--stats_out FILE]` recomputes the
 statistics of an existing study with this code.

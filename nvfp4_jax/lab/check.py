@@ -1,9 +1,12 @@
 """Regenerating a study's numbers: `--check` re-runs one of its runs and says whether it
 reproduces bit for bit; `--analyze` recomputes the statistics of an existing results.json.
 
-`--check` first compares the run's recorded resolved config with what this code resolves from the
+`--check` first recomputes every number results.json derives from the recorded curves and final
+losses (each run's `train_tail`, the per-arm `summary`, the `analysis`) and fails, naming each
+one that differs, when the file does not bear them out (edited by hand, or written by other
+code). It then compares the run's recorded resolved config with what this code resolves from the
 study's own command (base args and arm spec): a default that changed since, or a hand-edited
-results file, is a difference, reported before anything trains.
+results file, is a difference. Both are reported before anything trains.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import tempfile
 from typing import Any, Callable
 
 from nvfp4_jax.config import config_layers, from_dict, to_dict
-from nvfp4_jax.lab import analysis, provenance, runs
+from nvfp4_jax.lab import analysis, provenance, report, runs
 from nvfp4_jax.lab.arms import arm_config, parse_arm
 
 # What must come out identical for a run to count as reproduced.
@@ -54,6 +57,12 @@ def _run_label(run: Any, index: int, where: str = "runs") -> str:
         name = os.path.basename(str(run["run_directory"])) if run.get("run_directory") else (
             f"{run['arm']}-seed{run['seed']}" if "arm" in run and "seed" in run else "")
     return f"{where}[{index}]" + (f" ({name})" if name else "")
+
+
+def _labels(results: dict) -> list[str]:
+    """`_run_label` of every run, then of every extended run."""
+    return [_run_label(r, i) for i, r in enumerate(results["runs"])] + [
+        _run_label(r, i, "extended_runs") for i, r in enumerate(results.get("extended_runs") or [])]
 
 
 def _check_inputs(results: dict, path: str) -> None:
@@ -96,12 +105,91 @@ def config_check(results: dict, record: dict) -> tuple[Any, list[str]]:
     return recorded, runs.config_changes(to_dict(recorded), wanted)
 
 
+def _tokens_per_step(study: dict) -> int | None:
+    """The tokens one step trains on, as the study computed them for tokens-to-target: recorded
+    (`study.tokens_per_step`), or, in a file from before it was, from the first run's config and
+    the recorded device count; None when neither is there."""
+    if study.get("tokens_per_step") is not None:
+        return study["tokens_per_step"]
+    configs = study.get("configs") or {}
+    count = ((study.get("provenance") or {}).get("device") or {}).get("count")
+    if not configs or not count:
+        return None
+    first = next(iter(configs.values()))
+    try:
+        return first["model"]["max_target_length"] * first["train"]["per_device_batch_size"] * count
+    except (KeyError, TypeError):
+        return None
+
+
+def rederive(results: dict, path: str) -> dict[str, Any]:
+    """What the study derives from its runs' curves and final losses, recomputed with this code as
+    `run_study` computes it, in results.json's form: {"train_tails": [per run, then per extended
+    run], "summary": [...], "analysis": {...}}."""
+    names, steps, every_run = _analysis_inputs(results, path)
+    study = results["study"]
+    labels = _labels(results)
+    tails = [analysis.tail_mean(field(run, "loss_curve", label, path), field(run, "steps", label, path))
+             for label, run in zip(labels, every_run)]
+    rederived = [{**run, "train_tail": tail} for run, tail in zip(every_run, tails)]
+    regular = rederived[:len(results["runs"])]
+    summary = report.summarize(names, regular, study["reference"])
+    found = analysis.analyze(rederived, names, study["reference"], steps,
+                             margin_percent=study.get("margin_percent", 1.0),
+                             tokens_per_step=_tokens_per_step(study))
+    # through JSON as results.json was (inf/nan as strings, integer keys as strings, tuples as lists)
+    return json.loads(json.dumps(report._clean({"train_tails": tails, "summary": summary, "analysis": found})))
+
+
+def _differences(recorded: Any, fresh: Any, where: str) -> list[tuple[str, Any, Any]]:
+    """(where, recorded, recomputed) for every value in which `recorded` is not `fresh` exactly;
+    a key or list item on one side only is a difference too, except a key the file lacks whose
+    recomputed value holds no number ({}, [] or None: a field added since, in an older file)."""
+    if recorded is _MISSING and fresh in ({}, [], None):
+        return []
+    if isinstance(recorded, dict) and isinstance(fresh, dict):
+        out = []
+        for key in list(fresh) + [k for k in recorded if k not in fresh]:
+            out += _differences(recorded.get(key, _MISSING), fresh.get(key, _MISSING), f"{where}.{key}")
+        return out
+    if isinstance(recorded, list) and isinstance(fresh, list) and len(recorded) == len(fresh):
+        return [d for i, (a, b) in enumerate(zip(recorded, fresh)) for d in _differences(a, b, f"{where}[{i}]")]
+    same = type(recorded) is type(fresh) and recorded == fresh
+    return [] if same else [(where, recorded, fresh)]
+
+
+def derived_differences(results: dict, path: str) -> list[tuple[str, Any, Any]]:
+    """(where, recorded, recomputed) for each derived number of results.json (`train_tail` of
+    every run, `summary`, `analysis`) that is not what its curves and final losses give."""
+    fresh = rederive(results, path)
+    out = []
+    for label, run, tail in zip(_labels(results), results["runs"] + (results.get("extended_runs") or []),
+                                fresh["train_tails"]):
+        out += _differences(run.get("train_tail", _MISSING), tail, f"{label}.train_tail")
+    for key in ("summary", "analysis"):
+        out += _differences(field(results, key, "the file", path), fresh[key], key)
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "(absent)" if value is _MISSING else str(value)[:60]
+
+
 def check(path: str, *, which: str | None = None, devices=None, log: Callable[[str], None] = print) -> bool:
     """Re-runs one run of the study at `path` in a fresh directory; True when it reproduces its
-    recorded curve and final losses bit for bit. A changed config returns False before training."""
+    recorded curve and final losses bit for bit. Derived numbers that the file's curves and final
+    losses do not bear out, or a changed config, return False before training."""
     results = load_results(path)
     _check_inputs(results, path)
     record = _find_run(results, which)
+    derived = derived_differences(results, path)
+    if derived:
+        shown = "; ".join(f"{where}: recorded {_shown(old)} vs recomputed {_shown(new)}"
+                          for where, old, new in derived[:5])
+        more = f" (and {len(derived) - 5} more)" if len(derived) > 5 else ""
+        log(f"[check] {path}: {len(derived)} derived number(s) are not what its curves and final losses "
+            f"give: {shown}{more}. Not reproducible as recorded (the file was edited, or written by other code).")
+        return False
     recorded, diffs = config_check(results, record)
     name = os.path.basename(record["run_directory"])
     if diffs:
@@ -156,9 +244,7 @@ def _analysis_inputs(results: dict, path: str) -> tuple[list[str], int, list[dic
     extended = results.get("extended_runs") or []
     if not isinstance(extended, list):
         raise runs.LabError(f"{path}: `extended_runs` must be a list.")
-    everything = [_run_label(r, i) for i, r in enumerate(results["runs"])] + [
-        _run_label(r, i, "extended_runs") for i, r in enumerate(extended)]
-    for label, run in zip(everything, results["runs"] + extended):
+    for label, run in zip(_labels(results), results["runs"] + extended):
         arm = field(run, "arm", label, path)
         if arm not in names:
             raise runs.LabError(f"{path}: {label} has arm {arm!r}, which is not in study.arms "

@@ -124,6 +124,7 @@ def run_study(
     results: dict[str, Any] = {"study": study, "summary": [], "runs": [], "extended_runs": []}
     cfg0 = regular[0][2]
     tokens_per_step = cfg0.model.max_target_length * cfg0.train.per_device_batch_size * _device_count(devices)
+    study["tokens_per_step"] = tokens_per_step  # what tokens-to-target multiplies by (--check recomputes it)
 
     def write(final: bool) -> None:
         results["summary"] = report.summarize(names, results["runs"], reference)

@@ -140,6 +140,80 @@ def test_check_compares_the_rerun_bit_for_bit(tmp_path, monkeypatch, capsys):
     assert "reproduces bit for bit" in capsys.readouterr().out
     results = json.loads(path.read_text())
     results["runs"][3]["final_eval_loss"] += 1e-7  # one ulp-ish change in the record
+    # ... and in what the file derives from it, so that only the re-run can tell
+    results.update({k: v for k, v in check.rederive(results, str(path)).items() if k != "train_tails"})
     path.write_text(json.dumps(results))
     assert not check.check(str(path), which="te_nvfp4-seed1", log=print)
     assert "does NOT reproduce: final_eval_loss" in capsys.readouterr().out
+
+
+def _forge_tail(results):
+    results["runs"][0]["train_tail"] -= 0.05
+
+
+def _forge_summary(results):
+    results["summary"][1]["train_tail_mean"] -= 0.05
+
+
+def _forge_gap(results):
+    row = next(c for c in results["analysis"]["comparisons"] if c["metric"] == "train_tail")
+    row["gap"], row["verdict"] = 0.0, "equivalent within ±1% (TOST p < 0.05)"
+
+
+def _drop_comparison(results):
+    results["analysis"]["comparisons"].pop()
+
+
+@pytest.mark.parametrize("forge, named", [
+    (_forge_tail, "runs[0] (bf16-seed0).train_tail: recorded 2.7"),
+    (_forge_summary, "summary[1].train_tail_mean: recorded"),
+    (_forge_gap, ".gap: recorded 0.0 vs recomputed 0.1"),
+    (_drop_comparison, "analysis.comparisons: recorded"),
+])
+def test_check_fails_on_derived_numbers_its_curves_do_not_give_and_names_them(
+        tmp_path, monkeypatch, capsys, forge, named):
+    # The curves and final losses are intact (a re-run would reproduce them bit for bit); what the
+    # file derives from them (train tails, summary, analysis) was edited.
+    monkeypatch.setattr(runs, "train_or_reuse", _fake_training([]))
+    _study(tmp_path)
+    path = tmp_path / "results.json"
+    results = json.loads(path.read_text())
+    forge(results)
+    path.write_text(json.dumps(results))
+    trained = []
+    monkeypatch.setattr(runs, "train_or_reuse", lambda *a, **k: trained.append(a))
+    assert lab_main.main(["--check", str(path), "--run", "te_nvfp4-seed1"]) == 1
+    out = capsys.readouterr().out
+    assert "are not what its curves and final losses give" in out and named in out, out
+    assert "Not reproducible as recorded" in out and "bit for bit" not in out
+    assert trained == []  # refused before anything trains
+
+
+def test_check_rederives_an_older_file_without_tokens_per_step_or_a_field_added_since(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "train_or_reuse", _fake_training([]))
+    _study(tmp_path)
+    path = str(tmp_path / "results.json")
+    results = check.load_results(path)
+    assert check.derived_differences(results, path) == []
+    # a file from before study.tokens_per_step (taken from the configs and the device count) and
+    # before length_to_match (empty here: no extended runs) still re-derives exactly
+    results["study"].pop("tokens_per_step")
+    assert results["analysis"].pop("length_to_match") == {}
+    assert all(results["analysis"]["tokens_to_target"]["arms"]["bf16"]["tokens"].values())
+    assert check.derived_differences(results, path) == []
+    results["study"]["provenance"]["device"]["count"] = 4  # then tokens come out 4x: a difference
+    assert {w for w, _, _ in check.derived_differences(results, path)} == {
+        f"analysis.tokens_to_target.arms.bf16.tokens.{seed}" for seed in "01"}
+
+
+@pytest.mark.parametrize("key", ["summary", "analysis"])
+def test_check_on_results_without_its_derived_numbers_names_the_field_and_exits_2(tmp_path, monkeypatch, capsys, key):
+    monkeypatch.setattr(runs, "train_or_reuse", _fake_training([]))
+    _study(tmp_path)
+    path = tmp_path / "results.json"
+    results = json.loads(path.read_text())
+    results.pop(key)
+    path.write_text(json.dumps(results))
+    assert lab_main.main(["--check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and f"has no `{key}` field" in err
