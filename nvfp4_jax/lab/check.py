@@ -244,7 +244,9 @@ def _analysis_inputs(results: dict, path: str) -> tuple[list[str], int, list[dic
     extended = results.get("extended_runs") or []
     if not isinstance(extended, list):
         raise runs.LabError(f"{path}: `extended_runs` must be a list.")
+    decoded = []
     for label, run in zip(_labels(results), results["runs"] + extended):
+        decoded.append(_decoded(run, label, path))
         arm = field(run, "arm", label, path)
         if arm not in names:
             raise runs.LabError(f"{path}: {label} has arm {arm!r}, which is not in study.arms "
@@ -262,7 +264,46 @@ def _analysis_inputs(results: dict, path: str) -> tuple[list[str], int, list[dic
                                          for r in results["runs"]):
         raise runs.LabError(f"{path}: study.reference is {reference!r}, but no run of that arm is recorded: "
                             "every comparison with it would be dropped.")
-    return names, steps, results["runs"] + extended
+    return names, steps, decoded
+
+
+# How report.write_results writes a non-finite float (JSON has none): e.g. a diverged run's curve.
+_NON_FINITE = ("nan", "inf", "-inf")
+_NOT_A_LOSS = object()
+
+
+def _loss(value: Any) -> Any:
+    """A recorded loss as the study held it: "nan"/"inf"/"-inf" back to floats, None and numbers
+    as they are, anything else `_NOT_A_LOSS`."""
+    if isinstance(value, str):
+        return float(value) if value in _NON_FINITE else _NOT_A_LOSS
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return value if value is None or number else _NOT_A_LOSS
+
+
+def _decoded(run: Any, label: str, path: str) -> Any:
+    """`run` with its final losses and `loss_curve` decoded (`_loss`); a LabError naming the value
+    when one is not a loss (a number or null) or a curve point not a [step, loss] pair."""
+    if not isinstance(run, dict):
+        return run  # refused, named, by the field checks
+    out = dict(run)
+    for key in ("final_eval_loss", "final_eval_loss_bf16"):
+        out[key] = _loss(run.get(key))
+        if out[key] is _NOT_A_LOSS:
+            raise runs.LabError(f"{path}: {label}.{key} is {run.get(key)!r}: it must be a number or null.")
+    curve = run.get("loss_curve")
+    if curve is not None:
+        if not isinstance(curve, list):
+            raise runs.LabError(f"{path}: {label}.loss_curve is {curve!r}: it must be a list of [step, loss] pairs.")
+        out["loss_curve"] = []
+        for j, point in enumerate(curve):
+            ok = (isinstance(point, list) and len(point) == 2 and not isinstance(point[0], (str, bool))
+                  and isinstance(point[0], (int, float)) and _loss(point[1]) not in (_NOT_A_LOSS, None))
+            if not ok:
+                raise runs.LabError(f"{path}: {label}.loss_curve[{j}] is {point!r}: it must be a [step, loss] "
+                                    "pair of numbers.")
+            out["loss_curve"].append([point[0], _loss(point[1])])
+    return out
 
 
 def reanalyze(path: str, out_path: str, *, margin_percent: float = 1.0) -> dict[str, Any]:

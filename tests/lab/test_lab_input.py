@@ -100,6 +100,12 @@ def _drop(results, key, run=None):
     (lambda r: r["runs"][1].update(final_eval_loss=None), "runs[1] (te_nvfp4-seed0) has no `final_eval_loss`"),
     (lambda r: r["runs"][2].update(loss_curve=[]), "runs[2] (bf16-seed1) has an empty or missing `loss_curve`"),
     (lambda r: _drop(r, "loss_curve", run=0), "runs[0] (bf16-seed0) has an empty or missing `loss_curve`"),
+    (lambda r: r["runs"][1].update(final_eval_loss="2.5"),
+     "runs[1] (te_nvfp4-seed0).final_eval_loss is '2.5': it must be a number or null"),
+    (lambda r: r["runs"][0]["loss_curve"].append([30]),
+     "runs[0] (bf16-seed0).loss_curve[2] is [30]: it must be a [step, loss] pair of numbers"),
+    (lambda r: r["runs"][0]["loss_curve"].append(["30", 2.7]), "runs[0] (bf16-seed0).loss_curve[2] is ['30', 2.7]"),
+    (lambda r: r["runs"][2].update(loss_curve={"10": 3.0}), "runs[2] (bf16-seed1).loss_curve is {'10': 3.0}"),
     (lambda r: r.update(runs=[x for x in r["runs"] if x["arm"] != "bf16"]),
      "study.reference is 'bf16', but no run of that arm is recorded"),
 ])

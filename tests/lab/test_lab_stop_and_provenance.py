@@ -206,6 +206,21 @@ def test_check_rederives_an_older_file_without_tokens_per_step_or_a_field_added_
         f"analysis.tokens_to_target.arms.bf16.tokens.{seed}" for seed in "01"}
 
 
+def test_check_rederives_a_study_with_a_diverged_run_whose_curve_holds_nan(tmp_path, monkeypatch):
+    # results.json writes a diverged run's NaN losses as "nan" (JSON has no NaN)
+    monkeypatch.setattr(runs, "train_or_reuse", _fake_training([]))
+    _study(tmp_path)
+    path = str(tmp_path / "results.json")
+    results = check.load_results(path)
+    results["runs"][3].update(status="diverged: loss is nan at step 20", final_eval_loss=None,
+                              final_eval_loss_bf16=None, loss_curve=[[10, 2.9], [20, "nan"]], train_tail="nan")
+    fresh = check.rederive(results, path)
+    assert fresh["train_tails"][3] == "nan"
+    results.update(summary=fresh["summary"], analysis=fresh["analysis"])
+    assert check.derived_differences(results, path) == []
+    assert [c["seeds"] for c in results["analysis"]["comparisons"] if c["arm"] == "te_nvfp4"][0] == [0]
+
+
 @pytest.mark.parametrize("key", ["summary", "analysis"])
 def test_check_on_results_without_its_derived_numbers_names_the_field_and_exits_2(tmp_path, monkeypatch, capsys, key):
     monkeypatch.setattr(runs, "train_or_reuse", _fake_training([]))
