@@ -62,6 +62,9 @@ from nvfp4_jax.train.build import ATTENTION_FP8_RECIPE
 
 GIB = 1024**3
 EXIT_OK, EXIT_USER, EXIT_DOES_NOT_FIT = 0, 2, 5
+EXIT_CODES = (f"exit codes: {EXIT_OK} planned (it fits, or no device memory is known); {EXIT_USER} bad input "
+              f"(one `error: ...` line); {EXIT_DOES_NOT_FIT} planned, but it does not fit the device (the plan "
+              "is printed, `fits: NO`); 1 is a crash (a bug).")
 # Fraction of device memory a plan may use: the rest is for XLA's temporaries and fragmentation.
 USABLE_FRACTION = 0.9
 # Per-token values each decoder layer saves under a remat policy (besides "none"), as a function
@@ -399,7 +402,8 @@ def check_numeric_options(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nvfp4_jax.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m nvfp4_jax.plan", description=__doc__.splitlines()[0],
+                                     epilog=EXIT_CODES)
     parser.add_argument("--num-devices", type=int, default=None,
                         help="devices to plan for (default: the product of the mesh keys, or with a -1 "
                              "mesh key, the devices of this machine)")

@@ -45,3 +45,18 @@ def test_max_context_stops_at_the_trainers_int32_limit(capsys):
     assert length <= INT32_MAX and length + 16 > INT32_MAX
     assert "the trainer's limit, max_target_length <= 2,147,483,647" in line
     load_config(["model_name=tiny", f"max_target_length={length}"])  # the trainer accepts it
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as done:
+        plan.main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit codes: 0 planned" in text and "2 bad input" in text
+    assert f"{plan.EXIT_DOES_NOT_FIT} planned, but it does not fit the device" in text and "1 is a crash" in text
+
+
+def test_a_plan_that_does_not_fit_is_printed_and_exits_with_its_own_code(capsys):
+    assert plan.main(["model_name=tiny", "--device-memory-gib", "1e-9"]) == plan.EXIT_DOES_NOT_FIT == 5
+    captured = capsys.readouterr()
+    assert "fits: NO" in captured.out and captured.err == ""
