@@ -105,19 +105,15 @@ def load_params(run_dir: str, cfg: Config):
     # config errors come back before jax loads
     import jax
 
-    from nvfp4_jax import sharding
     from nvfp4_jax.config import MeshConfig
-    from nvfp4_jax.train import checkpoint
-    from nvfp4_jax.train.build import build_model, state_shardings
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly, checkpoint
 
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         raise ConfigError(f"{run_dir!r} has no checkpoints/ folder (was enable_checkpointing=false?).")
-    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-    # The training model's state tree (FP8 histories included) is what the checkpoint holds.
-    train_model = build_model(cfg.model, quantized=True)
-    abstract, _ = state_shardings(train_model, make_optimizer(cfg.train), cfg.model.max_target_length, mesh)
+    # The training run's state tree (FP8 histories included) is what the checkpoint holds; it is
+    # restored on one device, whatever mesh and batch the run trained with.
+    abstract = assembly.assemble(cfg, jax.devices()[:1], mesh_config=MeshConfig(), check_batch=False).abstract_state
     manager = checkpoint.make_manager(ckpt_dir, max_to_keep=cfg.train.max_checkpoints_to_keep)
     try:
         restored = checkpoint.restore_newest(manager, abstract, check_record=lambda step, record: None)

@@ -20,7 +20,6 @@ from typing import Any, Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
-from nvfp4_jax import sharding
 from nvfp4_jax.config import ConfigError, MeshConfig, ModelConfig, from_dict, make_config
 from nvfp4_jax.convert.hf import (
     EMBEDDING, IGNORED_SUFFIXES, LM_HEAD, ConvertError, Tensor, hf_config,
@@ -28,8 +27,7 @@ from nvfp4_jax.convert.hf import (
 )
 from nvfp4_jax.train import checkpoint
 from nvfp4_jax.train import params_checkpoint as params_lib
-from nvfp4_jax.train.build import build_model, quantization_backend, state_shardings
-from nvfp4_jax.train.optimizer import make_optimizer
+from nvfp4_jax.train import assembly
 from nvfp4_jax.train.params_checkpoint import LAYOUT_KEYS
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -204,10 +202,9 @@ def _restore_run(src: str):
         cfg = from_dict(_read_json(os.path.join(src, "config.json"), "a run directory"))
     except ConfigError as exc:
         raise ConvertError(f"{os.path.join(src, 'config.json')!r}: {exc}") from None
-    mesh = sharding.make_mesh(MeshConfig(), None)
-    sharding.check_divisibility(cfg, mesh)
-    model = build_model(cfg.model, backend=quantization_backend(cfg.model))
-    abstract, _ = state_shardings(model, make_optimizer(cfg.train), cfg.model.max_target_length, mesh)
+    # Restored on a mesh of conversion's own (all local devices, fully sharded by default),
+    # whatever mesh and batch the run trained with: no training batch check applies here.
+    abstract = assembly.assemble(cfg, mesh_config=MeshConfig(), check_batch=False).abstract_state
     manager = checkpoint.make_manager(ckpt_dir, max_to_keep=cfg.train.max_checkpoints_to_keep)
     try:
         if step is not None:

@@ -1,9 +1,10 @@
 """A site's local training: this project's train step on the site's own data, for a sample budget.
 
-`SiteTrainer` is built once per site (model, optimizer, mesh, the jitted train step) and then
-trains from each round's global model: it loads the received parameters into its state, runs
-`budget / global_batch` steps of the ordinary train step (`nvfp4_jax.train.build.jit_train_step`:
-any quantization flag, any local mesh, e.g. FSDP over the site's 8 devices), and returns its new
+`SiteTrainer` is built once per site, by the trainer's own builder (`nvfp4_jax.train.assembly`:
+the same start-up decisions, model, state and jitted train step as `python -m nvfp4_jax.train`,
+any quantization flag, any local mesh, e.g. FSDP over the site's 8 devices), and then trains from
+each round's global model: it loads the received parameters into its state, runs
+`budget / global_batch` steps of that train step, and returns its new
 parameters. The site's optimizer state and its position in its data stay on the site between
 rounds, so one site holding all the data, averaging only with itself, follows plain training.
 
@@ -22,14 +23,10 @@ import jax
 import numpy as np
 import optax
 from flax import traverse_util
-from flax.linen import meta as nn_meta
 
-from nvfp4_jax import data as data_lib
-from nvfp4_jax import sharding
 from nvfp4_jax.config import Config
 from nvfp4_jax.federated.contract import UpdateContract, trainable_paths
-from nvfp4_jax.train.build import build_model, init_state, jit_eval_step, jit_train_step
-from nvfp4_jax.train.optimizer import make_optimizer
+from nvfp4_jax.train import assembly
 
 SEP = "/"
 
@@ -77,19 +74,12 @@ class SiteTrainer:
         if not slowdown >= 1.0:
             raise ValueError(f"slowdown={slowdown} must be >= 1 (a site cannot be faster than its device)")
         self.cfg, self.contract, self.slowdown, self.watts = cfg, contract, slowdown, watts
-        self.mesh = sharding.make_mesh(cfg.mesh, devices)
-        sharding.check_divisibility(cfg, self.mesh)
-        self.global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, self.mesh.devices.size)
-        self.model = build_model(cfg.model)
-        base = make_optimizer(cfg.train)
-        m = cfg.model
-        seq_len = m.max_target_length
+        run = assembly.assemble(cfg, devices)
+        self.mesh, self.global_batch = run.mesh, run.global_batch
+        base = run.optimizer
         # The parameter paths decide which leaves train (a frozen backbone keeps the rest as received).
-        abstract = jax.eval_shape(lambda: self.model.init(
-            {"params": jax.random.PRNGKey(0), "quant": jax.random.PRNGKey(0)},
-            jax.numpy.zeros((1, seq_len), jax.numpy.int32))["params"])
-        self.paths = list(traverse_util.flatten_dict(nn_meta.unbox(abstract), sep=SEP))
-        self.trainable = trainable_paths(contract, self.paths, m.base_num_decoder_layers)
+        self.paths = list(traverse_util.flatten_dict(run.abstract_state.params, sep=SEP))
+        self.trainable = trainable_paths(contract, self.paths, cfg.model.base_num_decoder_layers)
         if len(self.trainable) < len(self.paths):
             chosen = set(self.trainable)
 
@@ -98,21 +88,14 @@ class SiteTrainer:
                 return traverse_util.unflatten_dict(
                     {k: ("train" if k in chosen else "frozen") for k in flat}, sep=SEP)
 
-            self.optimizer = optax.multi_transform({"train": base, "frozen": optax.set_to_zero()}, labels)
-        else:
-            self.optimizer = base
-        state, self.state_sh = init_state(self.model, self.optimizer, seq_len, self.mesh, cfg.train.seed)
-        self.state = state
-        self.step_fn = jit_train_step(self.model, self.optimizer, self.mesh, self.state_sh)
-        self.batch_sh = sharding.batch_sharding(self.mesh)
-        self.data = data_lib.make_dataset(
-            cfg.data, seq_len=m.max_target_length, global_batch_size=self.global_batch,
-            seed=cfg.train.seed, split="train", vocab_size=m.vocab_size)
+            run = run.with_optimizer(optax.multi_transform({"train": base, "frozen": optax.set_to_zero()}, labels))
+        self.run = run
+        self.state = run.init_state()
+        self.data = run.dataset("train")
         self.data_step = 0  # the site's position in its own data, kept across rounds
         # Compiled here, so that a round's measured time (the budget controller's input) is
         # training, not compilation.
-        example = {k: jax.device_put(v, self.batch_sh) for k, v in self.data.batch(0).items()}
-        self._step = self.step_fn.lower(self.state, example).compile()
+        self._step = run.train_step.lower(self.state, run.put(self.data.batch(0))).compile()
 
     def initial_params(self) -> dict[str, np.ndarray]:
         return flat_params(self.state.params)
@@ -120,7 +103,7 @@ class SiteTrainer:
     def _batch(self):
         local = self.data.batch(self.data_step)
         self.data_step += 1
-        return {k: jax.device_put(v, self.batch_sh) for k, v in local.items()}
+        return self.run.put(local)
 
     def train_round(self, global_params: Mapping[str, np.ndarray], samples: int) -> RoundResult:
         """Trains `samples` (a multiple of the site's global batch) from the global model."""
@@ -151,18 +134,12 @@ class Evaluator:
     """Validation loss of a flat parameter dict on a fixed set of held-out batches."""
 
     def __init__(self, cfg: Config, *, devices=None, num_batches: int | None = None):
-        self.mesh = sharding.make_mesh(cfg.mesh, devices)
-        m = cfg.model
-        self.model = build_model(m)
-        optimizer = make_optimizer(cfg.train)
-        self.state, state_sh = init_state(self.model, optimizer, m.max_target_length, self.mesh, cfg.train.seed)
-        self.eval_fn = jit_eval_step(self.model, self.mesh, state_sh)
-        global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, self.mesh.devices.size)
-        data = data_lib.make_dataset(cfg.data, seq_len=m.max_target_length, global_batch_size=global_batch,
-                                     seed=cfg.train.seed, split="eval", vocab_size=m.vocab_size)
-        batch_sh = sharding.batch_sharding(self.mesh)
-        n = num_batches or cfg.train.eval_steps
-        self.batches = [{k: jax.device_put(v, batch_sh) for k, v in data.batch(i).items()} for i in range(n)]
+        run = assembly.assemble(cfg, devices)
+        self.mesh = run.mesh
+        self.state = run.init_state()
+        self.eval_fn = run.eval_step
+        data = run.dataset("eval")
+        self.batches = [run.put(data.batch(i)) for i in range(num_batches or cfg.train.eval_steps)]
 
     def initial_params(self) -> dict[str, np.ndarray]:
         return flat_params(self.state.params)

@@ -59,12 +59,14 @@ def build_model(
     quantized: bool = True,
     backend: quant.Backend | None = None,
     quant_stats: bool = False,
+    attention_kernel: str | None = None,
 ) -> Llama:
     """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
 
     `backend` (default: `quantization_backend(model_cfg)`) runs the MLP GEMMs, with operands
     by `quant_kernels` where it can use them. The attention kernel is selected here too,
-    before anything is traced (`describe_attention` says which and why). `quant_stats=True`
+    before anything is traced (`describe_attention` says which and why) unless `attention_kernel`
+    names the one start-up chose (`assembly.Startup`). `quant_stats=True`
     gives the model of the quantization-statistics step (its dots measure their operands, see
     `quant.health`); never the one that trains.
     """
@@ -81,7 +83,7 @@ def build_model(
             attention_dot = quant.dot_general_factory(
                 ATTENTION_FP8_RECIPE, quant_stats=quant_stats, kernel_dtype=kernel_dtype
             )
-    kernel = select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length).kernel
+    kernel = attention_kernel or select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length).kernel
     platform = jax.devices()[0].platform
     if kernel == "cudnn_flash" and platform != "gpu":
         raise ValueError(
@@ -170,11 +172,16 @@ def state_shardings(model, optimizer, seq_len: int, mesh: Mesh):
 def init_state(model, optimizer, seq_len: int, mesh: Mesh, seed: int):
     """A freshly initialised, sharded TrainState and its shardings."""
     _, shardings = state_shardings(model, optimizer, seq_len, mesh)
+    return init_sharded(model, optimizer, seq_len, shardings, seed), shardings
+
+
+def init_sharded(model, optimizer, seq_len: int, shardings, seed: int):
+    """A freshly initialised TrainState, each leaf created where `shardings` puts it."""
     init = jax.jit(
         lambda k: nn.meta.unbox(_init_boxed(model, optimizer, seq_len, k)), out_shardings=shardings
     )
     with backend_scope(model):
-        return init(jax.random.PRNGKey(seed)), shardings
+        return init(jax.random.PRNGKey(seed))
 
 
 def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: bool = True):
@@ -198,11 +205,13 @@ def jit_eval_step(model, mesh: Mesh, state_sh):
 
 
 def jit_quant_stats_step(
-    model_cfg: ModelConfig, mesh: Mesh, state_sh, *, backend: quant.Backend | None = None
+    model_cfg: ModelConfig, mesh: Mesh, state_sh, *, backend: quant.Backend | None = None,
+    attention_kernel: str | None = None,
 ):
     """The jitted `make_quant_stats_step` of `model_cfg` (its own model, whose dots measure their
-    operands; `backend` as in `build_model`), or None when no GEMM is quantized."""
-    model = build_model(model_cfg, backend=backend, quant_stats=True)
+    operands; `backend` and `attention_kernel` as in `build_model`), or None when no GEMM is
+    quantized."""
+    model = build_model(model_cfg, backend=backend, quant_stats=True, attention_kernel=attention_kernel)
     key = jax.random.PRNGKey(0)
     variables = jax.eval_shape(lambda: _init_variables(model, model_cfg.max_target_length, key, key))
     template = nn.meta.unbox(variables.get(health.COLLECTION))

@@ -33,19 +33,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nvfp4_jax import data as data_lib
-from nvfp4_jax import sharding
 from nvfp4_jax.config import Config, ConfigError, to_dict
 from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.quant import health
-from nvfp4_jax.train import checkpoint, distributed, integrity, metrics as metrics_lib, resume, run_dir as run_dir_lib
-from nvfp4_jax.train import shutdown, tensorboard
-from nvfp4_jax.train.build import (
-    build_model, context_attention_warning, describe_attention, init_state, jit_eval_step, jit_quant_stats_step,
-    jit_train_step, quant_kernels_line, quantization_backend, state_shardings,
-)
-from nvfp4_jax.train.optimizer import make_optimizer
+from nvfp4_jax.train import assembly, checkpoint, distributed, integrity, metrics as metrics_lib, resume
+from nvfp4_jax.train import run_dir as run_dir_lib, shutdown, tensorboard
+from nvfp4_jax.train.build import context_attention_warning
 
 
 class NonFiniteError(RuntimeError):
@@ -89,22 +83,16 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
     summary.json or config.json cannot be written (both name the intact checkpoint).
     """
     distributed.maybe_initialize(cfg.mesh)
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    sharding.check_divisibility(cfg, mesh)
+    # The mesh, the batch checks and every start-up decision, once (nothing is traced yet).
+    assembled = assembly.assemble(cfg, devices)
     if not resume.has_checkpoints(run_dir_lib.checkpoints(run_directory(cfg))):  # a resume ignores it
         params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
     console = _Console(jax.process_index() == 0)
-    global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size)
-    datasets = {
-        split: data_lib.make_dataset(
-            cfg.data, seq_len=cfg.model.max_target_length, global_batch_size=global_batch,
-            seed=cfg.train.seed, split=split, vocab_size=cfg.model.vocab_size,
-        )
-        for split in ("train", "eval")
-    }
+    datasets = {split: assembled.dataset(split) for split in ("train", "eval")}
     console.info(f"data: {datasets['train'].describe()}; {datasets['eval'].describe()}")
-    console.info(describe_attention(cfg.model))
-    clash = context_attention_warning(cfg.model, mesh.shape["context"])
+    for line in assembled.startup.lines():
+        console.info(line)
+    clash = context_attention_warning(cfg.model, assembled.mesh.shape["context"])
     if clash:
         console.warn(clash)
     for warning in dict.fromkeys(datasets["train"].warnings + datasets["eval"].warnings):
@@ -117,18 +105,20 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
                               "Move it away (or start a new run: run_name=<a new name>).")
     lock = run_dir_lib.lock(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
     with lock, shutdown.StopRequest(announce=console.warn) as stop:
-        return _Segment(cfg, mesh, run_dir, datasets, console, stop, progress).run()
+        return _Segment(assembled, run_dir, datasets, console, stop, progress).run()
 
 
 class _Segment:
     """One start of a run, from restore (or init) to the summary."""
 
-    def __init__(self, cfg: Config, mesh, run_dir: str, datasets, console: _Console,
+    def __init__(self, assembled: assembly.Run, run_dir: str, datasets, console: _Console,
                  stop: shutdown.StopRequest, progress: bool | None):
-        self.cfg, self.mesh, self.run_dir, self.console, self.stop = cfg, mesh, run_dir, console, stop
+        self.run_parts, self.cfg, self.mesh = assembled, assembled.cfg, assembled.mesh
+        self.run_dir, self.console, self.stop = run_dir, console, stop
         self.progress = progress
         self.train_data, self.eval_data = datasets["train"], datasets["eval"]
-        self.global_batch = sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size)
+        self.global_batch = assembled.global_batch
+        self.backend = assembled.startup.backend
         self.manager = None
         self.last_good: tuple[int, bool] | None = None  # (step, verified) of the newest good checkpoint
         self.history: list[dict[str, Any]] = []
@@ -142,14 +132,14 @@ class _Segment:
         resume.check_record(step, record, cfg=self.cfg, run_dir=self.run_dir, backend=self.backend,
                             global_batch=self.global_batch)
 
-    def _restore_or_init(self, model, optimizer):
-        t, m = self.cfg.train, self.cfg.model
+    def _restore_or_init(self):
+        t = self.cfg.train
         ckpt_dir = run_dir_lib.checkpoints(self.run_dir)
         if not t.enable_checkpointing:
             resume.check_checkpointing_off(ckpt_dir)
-            return self._fresh_state(model, optimizer)
+            return self._fresh_state()
         self.manager = checkpoint.make_manager(ckpt_dir, max_to_keep=t.max_checkpoints_to_keep)
-        abstract, state_sh = state_shardings(model, optimizer, m.max_target_length, self.mesh)
+        abstract = self.run_parts.abstract_state
 
         def on_reject(step: int, why: str) -> None:
             then = "falling back to the next newest" if t.checkpoint_fallback else "stopping"
@@ -160,7 +150,7 @@ class _Segment:
             on_reject=on_reject,
         )
         if restored is None:
-            return self._fresh_state(model, optimizer)
+            return self._fresh_state()
         if restored.rejected:
             self._set_aside([step for step, _ in restored.rejected])
         checkpoint.prune(self.manager, t.max_checkpoints_to_keep)  # a segment killed before its rotation
@@ -168,17 +158,21 @@ class _Segment:
         how = "verified" if restored.verified else "UNVERIFIED: saved without checksums by an older version"
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
                           f"position: step {restored.record.get('data_step')}).")
-        return restored.state, state_sh
+        # What start-up decided differently this time (a resume may move to other devices).
+        for decision, old, new in self.run_parts.startup.changes_from(restored.record.get("startup")):
+            self.console.info(f"note: start-up decision {decision} was {old!r} at step {restored.step}, "
+                              f"now {new!r}.")
+        return restored.state
 
-    def _fresh_state(self, model, optimizer):
+    def _fresh_state(self):
         """Step 0: initialised, with `load_parameters_path`'s parameters when it names some."""
         t = self.cfg.train
-        state, state_sh = init_state(model, optimizer, self.cfg.model.max_target_length, self.mesh, t.seed)
+        state = self.run_parts.init_state(t.seed)
         if t.load_parameters_path:
-            state = params_lib.load_into(t.load_parameters_path, state, state_sh)
+            state = params_lib.load_into(t.load_parameters_path, state, self.run_parts.state_shardings)
             self.console.info(f"Parameters from load_parameters_path={t.load_parameters_path} "
                               "(fresh optimizer, step 0).")
-        return state, state_sh
+        return state
 
     def _set_aside(self, steps: list[int]) -> None:
         destination = run_dir_lib.rejected(self.run_dir)
@@ -199,8 +193,7 @@ class _Segment:
         notice = dataset.notice(step)  # e.g. a new epoch of a document corpus
         if notice:
             self.console.info(notice)
-        local = dataset.batch(step, jax.process_index(), jax.process_count())
-        return {k: jax.make_array_from_process_local_data(self.batch_sh, v) for k, v in local.items()}
+        return self.run_parts.put(dataset.batch(step, jax.process_index(), jax.process_count()))
 
     def _last_good_text(self) -> str:
         if self.last_good is None:
@@ -278,12 +271,7 @@ class _Segment:
     def _bf16_eval(self):
         """The eval step of the same parameters with BF16 dots, compiled on first use (a BF16 run
         evaluates with its only model)."""
-        if not self.quantizes_anything:
-            return self.eval_step
-        if self.eval_step_bf16 is None:
-            self.eval_step_bf16 = jit_eval_step(build_model(self.cfg.model, quantized=False), self.mesh,
-                                                self.state_sh)
-        return self.eval_step_bf16
+        return self.run_parts.bf16_eval_step
 
     def _quantizes(self, step: int) -> bool:
         """Whether the step after `step` runs the quantized GEMMs (not yet the BF16 tail)."""
@@ -292,7 +280,8 @@ class _Segment:
 
     def _save(self, step: int) -> None:
         record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
-                  "global_batch_size": self.global_batch, "quantization_backend": self.backend.name}
+                  "global_batch_size": self.global_batch, "quantization_backend": self.backend.name,
+                  "startup": self.run_parts.startup.record()}
         try:
             checkpoint.save(self.manager, self.state, record, max_to_keep=self.cfg.train.max_checkpoints_to_keep)
         except checkpoint.CheckpointError as exc:
@@ -330,35 +319,19 @@ class _Segment:
         return summary
 
     def _run(self) -> dict[str, Any]:
-        cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
-        optimizer = make_optimizer(t)
-        self.backend = quantization_backend(m)  # chosen once, before anything is traced
-        self.console.info(self.backend.line)
-        if quant_kernels_line(m, self.backend):
-            self.console.info(quant_kernels_line(m, self.backend))
-        model = build_model(m, quantized=True, backend=self.backend)
-        self.state, state_sh = self._restore_or_init(model, optimizer)
+        cfg, t, m, parts = self.cfg, self.cfg.train, self.cfg.model, self.run_parts
+        self.state = self._restore_or_init()
         self.start = resume.start_step(self.state)
         self.leaf_paths = integrity.leaf_paths(self.state)
         if self.console.is_lead:  # only now: a refused resume must leave the old config in place
             run_dir_lib.write_config(self.run_dir, cfg)
-        self.batch_sh = sharding.batch_sharding(self.mesh)
-        train_step = jit_train_step(model, optimizer, self.mesh, state_sh)
-        # The BF16 tail (quantization_end_step) has the same parameters; its step is traced only
-        # when first used, so the switch costs one compilation.
-        bf16_step = (
-            jit_train_step(build_model(m, quantized=False), optimizer, self.mesh, state_sh, uses_fp8_meta=False)
-            if t.quantization_end_step >= 0
-            else None
-        )
-        self.eval_step = jit_eval_step(model, self.mesh, state_sh)
-        # Decided once: whether a BF16 evaluation differs from this model's (nothing quantized:
-        # the model is its own BF16 evaluation). Its eval step is compiled on first use.
-        self.state_sh = state_sh
-        self.quantizes_anything = m.quantization not in ("", "bf16") or m.attention_quantization == "fp8"
-        self.eval_step_bf16 = None
-        self.stats_step = (jit_quant_stats_step(m, self.mesh, state_sh, backend=self.backend)
-                           if t.quant_stats else None)
+        train_step = parts.train_step
+        self.eval_step = parts.eval_step
+        # Decided once at start-up: whether a BF16 evaluation differs from this model's (nothing
+        # quantized: the model is its own BF16 evaluation). The BF16 tail's step
+        # (quantization_end_step) and the BF16 eval step are built on first use.
+        self.quantizes_anything = parts.startup.quantizes_anything
+        self.stats_step = parts.quant_stats_step if t.quant_stats else None
         self.throughput = metrics_lib.Throughput(
             flops_per_step=training_flops_per_step(m, self.global_batch, m.max_target_length),
             tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
@@ -384,7 +357,7 @@ class _Segment:
                 if t.profiler == "xplane" and step == t.profile_start_step and self.console.is_lead:
                     jax.profiler.start_trace(os.path.join(self.run_dir, "profile"))
                     profiling = True
-                self.state, step_metrics = (train_step if self._quantizes(step) else bf16_step)(
+                self.state, step_metrics = (train_step if self._quantizes(step) else parts.bf16_train_step)(
                     self.state, self._put(self.train_data, step))
                 if pending is not None:
                     self._report(pending)

@@ -5,6 +5,8 @@ import json
 import os
 
 import jax
+import types
+
 import numpy as np
 import pytest
 
@@ -108,7 +110,9 @@ def _segment(mode, *, quantized=True, end=-1):
     seg.stats_step = None
     seg.eval_step = lambda state, batch: np.float32(2.5 if quantized else 2.0)
     seg.quantizes_anything = quantized
-    seg.eval_step_bf16 = (lambda state, batch: np.float32(2.0)) if quantized else None
+    # The builder's BF16 eval step: a BF16 run's is its own eval step (assembly.Run).
+    bf16 = (lambda state, batch: np.float32(2.0)) if quantized else seg.eval_step
+    seg.run_parts = types.SimpleNamespace(bf16_eval_step=bf16)
     seg.last_eval = {}
     return seg
 
