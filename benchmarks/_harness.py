@@ -1,8 +1,8 @@
 """What the train-step benchmarks share: one compiled train step, timed one call at a time.
 
-The step is the package's own (`make_optimizer`, `init_state`, `make_train_step`), jitted with
-the state's shardings and donated state as `nvfp4_jax/train/loop.py` does; only the model (and
-so its dot_generals) varies. Each case steps on one fixed synthetic batch, so data loading is
+The step is the trainer's own, from its builder (`nvfp4_jax.train.assembly.Run`: the state's
+shardings, donated state, the start-up decisions); only the model (and so its dot_generals)
+varies. Each case steps on one fixed synthetic batch, so data loading is
 not timed.
 """
 
@@ -21,10 +21,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from nvfp4_jax import data as data_lib
-from nvfp4_jax import sharding
 from nvfp4_jax.config import Config
-from nvfp4_jax.train.build import init_state, jit_train_step
+from nvfp4_jax.train import assembly
 from nvfp4_jax.train.optimizer import make_optimizer
 
 
@@ -32,16 +30,11 @@ class StepCase:
     """The train step of `model` on `mesh`, its own state, and the step times it has recorded."""
 
     def __init__(self, cfg: Config, mesh: Mesh, model: nn.Module):
-        optimizer = make_optimizer(cfg.train)
-        seq = cfg.model.max_target_length
-        self.state, state_sh = init_state(model, optimizer, seq, mesh, cfg.train.seed)
-        batch_sh = sharding.batch_sharding(mesh)
-        self.step = jit_train_step(model, optimizer, mesh, state_sh)
-        dataset = data_lib.make_dataset(
-            cfg.data, seq_len=seq, global_batch_size=sharding.global_batch_size(cfg.train.per_device_batch_size, mesh.devices.size),
-            seed=cfg.train.seed, split="train", vocab_size=cfg.model.vocab_size,
-        )
-        self.batch = jax.device_put(dataset.batch(0), batch_sh)
+        # The trainer's own builder, with the benchmark's model (bench_step's stand-ins).
+        run = assembly.Run(cfg, mesh, assembly.resolve_startup(cfg, mesh), make_optimizer(cfg.train), model=model)
+        self.state = run.init_state()
+        self.step = run.train_step
+        self.batch = jax.device_put(run.dataset("train").batch(0), run.batch_sharding)
         self.times: list[float] = []
         self.first_step_s: float | None = None
         self.loss: float | None = None

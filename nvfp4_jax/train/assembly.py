@@ -101,9 +101,11 @@ class Run:
     """The objects of one run, built from its config and start-up decisions: mesh, model,
     optimizer, abstract state and shardings, state init, batch placement and the jitted steps."""
 
-    def __init__(self, cfg: Config, mesh, startup: Startup, optimizer: optax.GradientTransformation):
+    def __init__(self, cfg: Config, mesh, startup: Startup, optimizer: optax.GradientTransformation, *,
+                 model=None):
+        """`model` replaces the model of `cfg` (a benchmark's stand-in of the same parameters)."""
         self.cfg, self.mesh, self.startup, self.optimizer = cfg, mesh, startup, optimizer
-        self.model = self._model(quantized=True)
+        self.model = self._model(quantized=True) if model is None else model
         self.batch_sharding = sharding.batch_sharding(mesh)
 
     def _model(self, *, quantized: bool, quant_stats: bool = False):
@@ -112,7 +114,7 @@ class Run:
 
     def with_optimizer(self, optimizer: optax.GradientTransformation) -> "Run":
         """The same run (decisions, mesh, model) with another optimizer (e.g. a frozen backbone's)."""
-        return Run(self.cfg, self.mesh, self.startup, optimizer)
+        return Run(self.cfg, self.mesh, self.startup, optimizer, model=self.model)
 
     @property
     def global_batch(self) -> int:
