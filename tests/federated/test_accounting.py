@@ -90,3 +90,32 @@ def test_the_round_line_shows_the_cumulative_epsilon():
     other = accounting.account_round({"filter": "gaussian", "noise_multiplier": 2.0}, DELTA, None, 10)
     assert accounting.summary({"site-1": gaussian, "site-2": other}).startswith("eps site-1=")
     assert accounting.summary({"site-1": percentile}) == ""
+
+
+def test_the_server_prints_and_records_each_sites_epsilon(tmp_path, capsys):
+    import json
+
+    from nvflare.app_common.abstract.fl_model import FLModel
+
+    from nvfp4_jax.federated.server import BudgetedFedAvg
+
+    sites = {"site-1": {"filter": "gaussian", "clip_norm": 1.0, "noise_multiplier": 1.5},
+             "site-2": {"filter": "gaussian", "clip_norm": 1.0, "noise_multiplier": 1.5},
+             "site-3": {"filter": "percentile", "percentile": 10.0, "gamma": 0.01}}
+    ctrl = BudgetedFedAvg(run_config={}, site_names=list(sites), num_rounds=2, output_dir=str(tmp_path),
+                          budget_policy={"name": "equal", "total_samples": 6, "quantum": 2},
+                          site_privacy=sites, dp_delta=1e-6)
+    model = FLModel(params={"w": np.zeros(8, np.float32)})
+    for r in (1, 2):
+        ctrl._emit({"round": r, "validation_loss": 1.0, "budgets": {s: 2 for s in sites},
+                    "sites": {s: {} for s in sites}, "makespan_s": 0.1, "bytes_sent": 0,
+                    "privacy": ctrl._account(model)})
+    eps = [accounting.gaussian_epsilon(1.5, r, 1e-6) for r in (1, 2)]
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f"| eps={eps[1]:.3g}@delta=1e-06")
+    result = json.loads((tmp_path / "federated.json").read_text())
+    assert result["privacy"] == {"delta": 1e-6, "sites": sites}
+    first, second = (r["privacy"] for r in result["rounds"])
+    assert [first["site-1"]["epsilon"], second["site-1"]["epsilon"]] == pytest.approx(eps)
+    assert second["site-1"]["epsilon_round"] == pytest.approx(eps[0])
+    assert second["site-1"]["delta"] == 1e-6 and "RdpAccountant" in second["site-1"]["accountant"]
+    assert second["site-3"]["epsilon"] is None and "no formal" in second["site-3"]["reason"]
