@@ -5,10 +5,12 @@
 | `none` | - | nothing: the server sees each site's exact update | - |
 | `percentile` | FLARE `PercentilePrivacy(percentile, gamma)` | shares only the largest `100 - percentile`% of update magnitudes, each clipped to `gamma`: less of each site's update is revealed (Shokri & Shmatikov 2015); no formal guarantee | small updates are dropped, so convergence slows; `gamma` too small stalls training |
 | `svt` | FLARE `SVTPrivacy(fraction, epsilon, ...)` | the sparse vector technique: a noisy selection of a `fraction` of coordinates, released with Laplace noise; differential privacy per round for the stated `epsilon` | noise in every released coordinate; most coordinates not sent |
-| `gaussian` | `GaussianPrivacy(clip_norm, noise_multiplier)` (ours, a FLARE `DXOFilter`) | the Gaussian mechanism on the whole update: L2 clip to `clip_norm`, plus N(0, (noise_multiplier * clip_norm)^2) per coordinate; bounds any one round's influence (DP-FedAvg style, per site; account for epsilon over rounds yourself) | the noise scales with the model size; needs many sites or small noise to converge |
+| `gaussian` | `GaussianPrivacy(clip_norm, noise_multiplier)` (ours, a FLARE `DXOFilter`) | the Gaussian mechanism on the whole update: L2 clip to `clip_norm`, plus N(0, (noise_multiplier * clip_norm)^2) per coordinate; bounds any one round's influence (DP-FedAvg style, per site; `accounting.py` reports epsilon over the rounds) | the noise scales with the model size; needs many sites or small noise to converge |
 
 All three act on weight differences, so they need `--update diff` or `subset`, and uncompressed
 updates (`--compression none`: compressing after a filter would need a second filter stage).
+`OPTIONS` lists every filter's options with its default and allowed range; a site can have its
+own filter (`--site-privacy`, `parse_site_privacy`).
 """
 
 from __future__ import annotations
