@@ -17,8 +17,23 @@ Options:
   --update K                full | diff | subset (default diff): what a site sends
   --trainable T             with --update subset: mlp | last:N | a regex over parameter paths
   --compression C           none | fp8 | nvfp4 (default none), with error feedback on the site
-  --privacy F               none | percentile | svt | gaussian (FLARE result filters)
-  --clip-norm X, --noise-multiplier X   options of --privacy gaussian (noise multiplier > 0 required)
+  --privacy F               none | percentile | svt | gaussian (FLARE result filters on every site)
+  --percentile P, --gamma G options of --privacy percentile: share only the update values above
+                            the P-th percentile of magnitudes (0 <= P < 100, default 10), each
+                            clipped to +-G (G > 0, default 0.01)
+  --svt-fraction F, --svt-epsilon E, --svt-noise-var V, --svt-gamma G
+                            options of --privacy svt: release a fraction 0 < F <= 1 of the values
+                            (0.1), selection budget E > 0 (0.1), release budget V > 0 a value
+                            (0.1), clip G > 0 (1e-5)
+  --clip-norm X, --noise-multiplier X   options of --privacy gaussian: L2 clip X > 0 (1.0), noise
+                            multiplier > 0 (required)
+  --site-privacy SITE=FILTER[:key=value,...]   (repeatable) one site's own filter instead of
+                            --privacy's, e.g. site-2=gaussian:noise_multiplier=2.0,clip_norm=0.5;
+                            keys are the options' names (percentile, gamma, fraction, epsilon,
+                            noise_var, clip_norm, noise_multiplier)
+  --dp-delta D              delta of the epsilon the accountant reports (0 < D < 1, default 1e-5):
+                            each round line shows every site's cumulative eps (gaussian: RDP
+                            accountant; svt: FLARE's per-round epsilon, summed)
   --dirichlet-alpha A       split the bundled corpus by play between the sites, Dirichlet(A) per
                             genre (default 1.0; used when the data is the bundled corpus)
   --site-data PATH          one per site (repeat N times): each site's own text file
@@ -37,7 +52,6 @@ Exit codes: 0 done, 2 a bad setting (one `error: ...` line), 1 an internal error
 
 from __future__ import annotations
 
-import math
 import argparse
 import dataclasses
 import os
@@ -49,6 +63,15 @@ from nvfp4_jax.config import ConfigError, config_layers, global_batch_size, make
 DEFAULTS = {
     "model_name": "tiny", "quantization": "te_nvfp4", "max_target_length": 128,
     "per_device_batch_size": 4, "eval_steps": 2, "run_name": "federated",
+}
+
+
+# The command-line flag of every filter option (privacy.OPTIONS), for the job-wide --privacy.
+FILTER_FLAGS = {
+    "percentile": {"percentile": "--percentile", "gamma": "--gamma"},
+    "svt": {"fraction": "--svt-fraction", "epsilon": "--svt-epsilon", "noise_var": "--svt-noise-var",
+            "gamma": "--svt-gamma"},
+    "gaussian": {"clip_norm": "--clip-norm", "noise_multiplier": "--noise-multiplier"},
 }
 
 
@@ -73,8 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainable", default="all")
     p.add_argument("--compression", default="none")
     p.add_argument("--privacy", default="none")
-    p.add_argument("--clip-norm", type=float, default=1.0)
-    p.add_argument("--noise-multiplier", type=float, default=0.0)
+    for flags in FILTER_FLAGS.values():
+        for flag in flags.values():
+            p.add_argument(flag, type=float, default=None)
+    p.add_argument("--site-privacy", action="append", default=[])
+    p.add_argument("--dp-delta", type=float, default=1e-5)
     p.add_argument("--dirichlet-alpha", type=float, default=1.0)
     p.add_argument("--site-data", action="append", default=[])
     p.add_argument("--slowdown", default="")
@@ -100,6 +126,45 @@ def _floats(text: str, n: int, name: str, default: float | None) -> list:
     if len(values) != n:
         raise ConfigError(f"--{name}={text!r} gives {len(values)} values for {n} sites")
     return values
+
+
+def _check_filterable(where: str, name: str, contract) -> None:
+    if name != "none" and (not contract.sends_difference or contract.compression != "none"):
+        raise ConfigError(f"{where} filters uncompressed differences: use --update diff "
+                          "(or subset) with --compression none")
+
+
+def _privacy_policies(args, site_names: list, contract) -> tuple[dict, dict]:
+    """(the job-wide filter's options, {site: {"filter": name, **options}} for --site-privacy)."""
+    # privacy imports NVFLARE (optional), as build_spec does
+    from nvfp4_jax.federated import privacy as privacy_lib
+
+    if not (0 < args.dp_delta < 1):
+        raise ConfigError(f"--dp-delta={args.dp_delta} must be in (0, 1), exclusive (e.g. 1e-5)")
+    _check_filterable(f"--privacy={args.privacy}", args.privacy, contract)
+    given = {}
+    for name, flags in FILTER_FLAGS.items():
+        for key, flag in flags.items():
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is None:
+                continue
+            if name != args.privacy:
+                raise ConfigError(f"{flag} is an option of --privacy {name}, not of --privacy {args.privacy} "
+                                  "(a site's own filter takes key=value in --site-privacy)")
+            given[key] = value
+    site_privacy = {}
+    try:
+        options = privacy_lib.resolve_options(args.privacy, given, FILTER_FLAGS.get(args.privacy, {}).get)
+        for text in args.site_privacy:
+            site, name, site_given = privacy_lib.parse_site_privacy(text, site_names)
+            _check_filterable(f"--site-privacy {text!r}", name, contract)
+            if site in site_privacy:
+                raise ConfigError(f"--site-privacy names {site} twice")
+            site_privacy[site] = {"filter": name, **privacy_lib.resolve_options(
+                name, site_given, lambda key: f"--site-privacy {site}={name}:{key}")}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return options, site_privacy
 
 
 def build_spec(argv: list[str]):
@@ -144,12 +209,6 @@ def build_spec(argv: list[str]):
         contract_lib.check_contract(contract)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if args.privacy != "none" and (not contract.sends_difference or contract.compression != "none"):
-        raise ConfigError(f"--privacy={args.privacy} filters uncompressed differences: use --update diff "
-                          "(or subset) with --compression none")
-    if args.privacy == "gaussian" and not (args.noise_multiplier > 0 and math.isfinite(args.noise_multiplier)):
-        raise ConfigError(f"--noise-multiplier={args.noise_multiplier} must be positive and finite with "
-                          "--privacy gaussian (without noise it protects nothing)")
     slowdowns = _floats(args.slowdown, n, "slowdown", 1.0)
     if any(not s >= 1.0 for s in slowdowns):
         raise ConfigError(f"--slowdown={args.slowdown!r}: every factor must be >= 1")
@@ -181,10 +240,11 @@ def build_spec(argv: list[str]):
                  devices=args.site_devices, device_offset=(i - 1) * args.site_devices,
                  crash_in_round=crash.get(f"site-{i}", 0))
         for i in range(1, n + 1))
+    privacy_options, site_privacy = _privacy_policies(args, [s.name for s in sites], contract)
     spec = FederatedSpec(
         run_config={k: v for k, v in merged.items()}, sites=sites, rounds=args.rounds, policy=policy,
-        contract=contract, privacy=args.privacy,
-        privacy_options={"clip_norm": args.clip_norm, "noise_multiplier": args.noise_multiplier},
+        contract=contract, privacy=args.privacy, privacy_options=privacy_options, site_privacy=site_privacy,
+        dp_delta=args.dp_delta,
         output_dir=run_dir, min_responses=args.min_responses, round_timeout=args.round_timeout,
         disk_offload=args.disk_offload, stream_tensors=args.stream_tensors,
         eval_batches=cfg.train.eval_steps)
@@ -230,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p = spec.policy
     print(f"[federated] {len(spec.sites)} sites x {spec.rounds} rounds, budget={p.name} "
           f"({p.total_samples} samples a round), update={spec.contract.kind}, "
-          f"compression={spec.contract.compression}, privacy={spec.privacy}; results in {spec.output_dir}",
+          f"compression={spec.contract.compression}, privacy={spec.privacy}"
+          + "".join(f", {site}: privacy={p['filter']}" for site, p in spec.site_privacy.items())
+          + f"; results in {spec.output_dir}",
           flush=True)
     workspace = args.workspace or os.path.join(spec.output_dir, "flare_workspace")
     job_lib.simulate(spec, workspace)

@@ -33,8 +33,10 @@ class FederatedSpec:
     rounds: int
     policy: budget_lib.BudgetPolicy
     contract: contract_lib.UpdateContract
-    privacy: str = "none"
+    privacy: str = "none"  # the job-wide filter, for every site not in site_privacy
     privacy_options: dict = dataclasses.field(default_factory=dict)
+    site_privacy: dict = dataclasses.field(default_factory=dict)  # site -> {"filter": name, **options}
+    dp_delta: float = 1e-5
     output_dir: str = ""
     min_responses: int = 0
     round_timeout: int = 0
@@ -42,6 +44,10 @@ class FederatedSpec:
     disk_offload: bool = False
     stream_tensors: bool = False
     name: str = "nvfp4_jax_fedavg"
+
+    def privacy_of(self, site_name: str) -> dict:
+        """The site's privacy policy, `{"filter": name, **options}`: its own, else the job's."""
+        return self.site_privacy.get(site_name) or {"filter": self.privacy, **self.privacy_options}
 
 
 def _client_script() -> str:
@@ -79,6 +85,8 @@ def build_job(spec: FederatedSpec):
         round_timeout=spec.round_timeout,
         eval_batches=spec.eval_batches,
         enable_tensor_disk_offload=spec.disk_offload,
+        site_privacy={s.name: spec.privacy_of(s.name) for s in spec.sites},
+        dp_delta=spec.dp_delta,
     ))
     if spec.stream_tensors:
         # optional dependency (NVFLARE)
@@ -89,7 +97,9 @@ def build_job(spec: FederatedSpec):
     for site in spec.sites:
         job.to(ScriptRunner(script=_client_script(), script_args=_script_args(site),
                             framework=FrameworkType.NUMPY), site.name)
-        result_filter = privacy_lib.make_filter(spec.privacy, spec.privacy_options)
+        policy = dict(spec.privacy_of(site.name))
+        # FLARE's per-site configuration: this filter goes to this site's config only
+        result_filter = privacy_lib.make_filter(policy.pop("filter"), policy)
         if result_filter is not None:
             # optional dependency (NVFLARE)
             from nvflare.job_config.defs import FilterType

@@ -7,8 +7,9 @@ sites set to the samples they trained) with three additions, each in one overrid
 - `_aggregate_one_result`: a site's report (seconds, samples, joules, bytes) feeds the cost
   model, and a compressed update is decoded before FedAvg averages it; an empty result (a site
   that failed) is left out of the average, never mixed into it;
-- `update_model`: the new global model is evaluated on the held-out set, the round is printed
-  and recorded in `<output_dir>/federated.json`.
+- `update_model`: the new global model is evaluated on the held-out set, each site's privacy
+  spending is accounted (`accounting.py`), the round is printed and recorded in
+  `<output_dir>/federated.json`.
 The initial global model is the project's own initialisation (`seed`), made on the server.
 """
 
@@ -25,6 +26,7 @@ from nvflare.apis.fl_constant import FLMetaKey
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.fedavg import FedAvg
 
+from nvfp4_jax.federated import accounting
 from nvfp4_jax.federated import budget as budget_lib
 from nvfp4_jax.federated import contract as contract_lib
 
@@ -50,6 +52,8 @@ class BudgetedFedAvg(FedAvg):
         round_timeout: int = 0,
         eval_batches: int = 2,
         enable_tensor_disk_offload: bool = False,
+        site_privacy: dict | None = None,
+        dp_delta: float = 1e-5,
     ):
         super().__init__(num_clients=len(site_names), num_rounds=num_rounds, persistor_id="",
                          enable_tensor_disk_offload=enable_tensor_disk_offload)
@@ -61,6 +65,8 @@ class BudgetedFedAvg(FedAvg):
         self.min_responses = min_responses
         self.round_timeout = round_timeout
         self.eval_batches = eval_batches
+        self.site_privacy = dict(site_privacy or {})  # site -> {"filter": name, **options}
+        self.dp_delta = dp_delta
         self._policy = budget_lib.BudgetPolicy(**self.budget_policy)
         self._contract = contract_lib.UpdateContract(**self.update_contract)
         self._costs = {s: budget_lib.SiteCost() for s in self.site_names}
@@ -69,6 +75,8 @@ class BudgetedFedAvg(FedAvg):
         self._history: list[dict] = []
         self._evaluator = None
         self._round_start = 0.0
+        self._values_sent: dict[str, int] = {}
+        self._privacy: dict[str, dict] = {}  # each site's newest privacy record
 
     # --- the global model ---------------------------------------------------------------
 
@@ -110,6 +118,7 @@ class BudgetedFedAvg(FedAvg):
             "round": round_index + 1,
         }
         self._reports = {}
+        self._values_sent = {}
         self._round_start = time.perf_counter()
         return super().send_model(
             task_name=task_name, data=data, targets=targets,
@@ -131,6 +140,7 @@ class BudgetedFedAvg(FedAvg):
             self._reports[site] = {"failed": True, "error": "non-finite update (NaN or Inf)"}
             self.warning(f"site {site} sent a non-finite update this round; it is left out of the average")
             return False
+        self._values_sent[site] = sum(int(np.size(v)) for v in result.params.values())
         self._reports[site] = {k: report.get(k) for k in
                                ("samples", "steps", "seconds", "joules", "payload_bytes", "train_loss")}
         if site in self._costs:
@@ -157,8 +167,20 @@ class BudgetedFedAvg(FedAvg):
             "bytes_sent": sum(int(r.get("payload_bytes") or 0) for r in self._reports.values()),
             "wall_s": time.perf_counter() - self._round_start,
         }
+        if any(p.get("filter", "none") != "none" for p in self.site_privacy.values()):
+            record["privacy"] = self._account(model)
         self._emit(record)
         return model
+
+    def _account(self, model) -> dict:
+        """Every site's privacy record after this round; a site that sent nothing is charged as
+        if it had sent the whole model (an upper bound)."""
+        model_values = sum(int(np.size(v)) for v in model.params.values())
+        self._privacy = {
+            site: accounting.account_round(self.site_privacy.get(site, {"filter": "none"}), self.dp_delta,
+                                           self._privacy.get(site), self._values_sent.get(site, model_values))
+            for site in self.site_names}
+        return self._privacy
 
     def _emit(self, record: dict) -> None:
         self._history.append(record)
@@ -169,11 +191,15 @@ class BudgetedFedAvg(FedAvg):
             failed = [s for s, r in record["sites"].items() if r.get("failed")]
             if failed:
                 line += f" | no update from {', '.join(failed)}"
+            spent = accounting.summary(record.get("privacy") or {})
+            if spent:
+                line += f" | {spent}"
         print(f"[federated] {line}", flush=True)
         if self.output_dir:
             os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, "federated.json")
             with open(path + ".tmp", "w") as f:
                 json.dump({"policy": dataclasses.asdict(self._policy), "contract": self.update_contract,
+                           "privacy": {"delta": self.dp_delta, "sites": self.site_privacy},
                            "rounds": self._history}, f, indent=1, default=float)
             os.replace(path + ".tmp", path)

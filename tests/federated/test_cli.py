@@ -1,6 +1,8 @@
 """`python -m nvfp4_jax.federated`: settings become a FLARE job spec; bad ones are one line, exit 2."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,19 +43,61 @@ def test_spec_from_the_command_line(tmp_path):
     (["--sites", "1", "--site-data", "/no/such/file"], "is not a file"),
     (["--samples-per-round", "14"], "multiple of the global batch"),
     (["--frobnicate"], "unknown option '--frobnicate'"),
+    (["--dp-delta", "0"], "--dp-delta=0.0 must be in (0, 1)"),
+    (["--dp-delta", "1"], "--dp-delta=1.0 must be in (0, 1)"),
+    (["--dp-delta=-1e-5"], "--dp-delta=-1e-05 must be in (0, 1)"),
+    (["--privacy", "percentile", "--percentile", "100"], "--percentile=100.0 must be in [0, 100)"),
+    (["--privacy", "percentile", "--percentile", "-1"], "--percentile=-1.0 must be in [0, 100)"),
+    (["--privacy", "percentile", "--gamma", "0"], "--gamma=0.0 must be positive"),
+    (["--privacy", "svt", "--svt-fraction", "0"], "--svt-fraction=0.0 must be in (0, 1]"),
+    (["--privacy", "svt", "--svt-fraction", "1.5"], "--svt-fraction=1.5 must be in (0, 1]"),
+    (["--privacy", "svt", "--svt-epsilon", "-1"], "--svt-epsilon=-1.0 must be positive"),
+    (["--privacy", "svt", "--svt-noise-var", "0"], "--svt-noise-var=0.0 must be positive"),
+    (["--privacy", "svt", "--svt-gamma", "inf"], "--svt-gamma=inf must be positive and finite"),
+    (["--privacy", "gaussian", "--noise-multiplier", "1", "--svt-fraction", "0.5"],
+     "--svt-fraction is an option of --privacy svt, not of --privacy gaussian"),
+    (["--gamma", "0.1"], "--gamma is an option of --privacy percentile, not of --privacy none"),
+    (["--site-privacy", "site-9=gaussian:noise_multiplier=1"], "'site-9' is not a site of this job"),
+    (["--site-privacy", "site-1=laplace"], "'laplace' is not one of none, percentile, svt, gaussian"),
+    (["--site-privacy", "site-1=gaussian:sigma=1"], "--site-privacy site-1=gaussian:sigma is not an option of gaussian"),
+    (["--site-privacy", "site-1=gaussian:noise_multiplier=big"], "noise_multiplier='big' is not a number"),
+    (["--site-privacy", "site-1=gaussian:noise_multiplier"], "'noise_multiplier' must be key=value"),
+    (["--site-privacy", "site-1"], "must be SITE=FILTER[:key=value,...]"),
+    (["--site-privacy", "site-1=gaussian"], "--site-privacy site-1=gaussian:noise_multiplier=0.0 must be positive"),
+    (["--site-privacy", "site-2=svt:fraction=2"], "--site-privacy site-2=svt:fraction=2.0 must be in (0, 1]"),
+    (["--site-privacy", "site-1=svt", "--site-privacy", "site-1=percentile"], "names site-1 twice"),
+    (["--site-privacy", "site-1=svt", "--compression", "fp8"], "filters uncompressed differences"),
     (["quantization=te_nvfp5"], "quantization"),
 ])
 def test_bad_settings_are_config_errors(argv, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         build_spec(argv)
 
 
-def test_a_bad_setting_is_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "nvfp4_jax.federated", "--sites", "2", "--slowdown", "1"],
+def test_privacy_policies_from_the_command_line(tmp_path):
+    spec, _, _ = build_spec([
+        "--sites", "3", "--privacy", "svt", "--svt-fraction", "0.2", "--svt-noise-var", "0.05", "--dp-delta", "1e-6",
+        "--site-privacy", "site-2=gaussian:noise_multiplier=2.0,clip_norm=0.5", "--site-privacy", "site-3=none",
+        f"base_output_directory={tmp_path}"])
+    assert spec.dp_delta == 1e-6
+    assert spec.privacy_of("site-1") == {"filter": "svt", "fraction": 0.2, "epsilon": 0.1, "noise_var": 0.05,
+                                         "gamma": 1e-5}
+    assert spec.privacy_of("site-2") == {"filter": "gaussian", "clip_norm": 0.5, "noise_multiplier": 2.0}
+    assert spec.privacy_of("site-3") == {"filter": "none"}
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--sites", "2", "--slowdown", "1"], "error: --slowdown='1' gives 1 values for 2 sites"),
+    (["--dp-delta", "2"], "error: --dp-delta=2.0 must be in (0, 1), exclusive (e.g. 1e-5)"),
+    (["--site-privacy", "site-4=svt"], "error: --site-privacy 'site-4=svt': 'site-4' is not a site of this job "
+                                       "(site-1, site-2, site-3)"),
+])
+def test_a_bad_setting_is_one_line_and_exit_2(argv, line):
+    proc = subprocess.run([sys.executable, "-m", "nvfp4_jax.federated", *argv],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == ["error: --slowdown='1' gives 1 values for 2 sites"]
+    assert proc.stderr.strip().splitlines() == [line]
 
 
 def test_export_writes_a_flare_job_folder(tmp_path):
@@ -69,6 +113,49 @@ def test_export_writes_a_flare_job_folder(tmp_path):
     client = (tmp_path / "jobs" / spec.name / "app_site-1" / "config" / "config_fed_client.json").read_text()
     assert "GaussianPrivacy" in client and "client.py" in client
     # The site's filter gets no seed: it draws its noise from the OS, not from anything in the job.
-    import json
     (site_filter,) = [f for entry in json.loads(client)["task_result_filters"] for f in entry["filters"]]
     assert site_filter["args"] == {"noise_multiplier": 0.1}
+
+
+def _exported_filters(tmp_path, argv) -> dict:
+    """{site: [(filter class, its args)]} from the exported job folder's per-site configs."""
+    from nvfp4_jax.federated import job as job_lib
+
+    spec, _, _ = build_spec([*argv, f"base_output_directory={tmp_path}"])
+    where = job_lib.export(spec, str(tmp_path / "jobs"))
+    filters = {}
+    for site in spec.sites:
+        with open(os.path.join(where, f"app_{site.name}", "config", "config_fed_client.json")) as f:
+            config = json.load(f)
+        # (less FLARE's own data_kinds argument)
+        filters[site.name] = [(flt["path"].rsplit(".", 1)[-1],
+                               {k: v for k, v in flt["args"].items() if k != "data_kinds"})
+                              for entry in config.get("task_result_filters", []) for flt in entry["filters"]]
+    return filters
+
+
+def test_percentile_and_svt_options_arrive_in_the_filter(tmp_path):
+    pytest.importorskip("nvflare")
+    percentile = _exported_filters(tmp_path / "p", ["--sites", "1", "--privacy", "percentile",
+                                                    "--percentile", "75", "--gamma", "0.2"])
+    assert percentile == {"site-1": [("PercentilePrivacy", {"percentile": 75.0, "gamma": 0.2})]}
+    svt = _exported_filters(tmp_path / "s", ["--sites", "1", "--privacy", "svt", "--svt-fraction", "0.3",
+                                             "--svt-epsilon", "0.7", "--svt-noise-var", "0.02", "--svt-gamma", "0.5"])
+    assert svt == {"site-1": [("SVTPrivacy", {"fraction": 0.3, "epsilon": 0.7, "noise_var": 0.02, "gamma": 0.5})]}
+
+
+def test_each_site_gets_its_own_filter_in_its_own_config(tmp_path):
+    pytest.importorskip("nvflare")
+    filters = _exported_filters(tmp_path, [
+        "--sites", "3", "--privacy", "gaussian", "--noise-multiplier", "1.5", "--dp-delta", "1e-6",
+        "--site-privacy", "site-2=gaussian:noise_multiplier=2.0,clip_norm=0.5", "--site-privacy", "site-3=none"])
+    assert filters == {"site-1": [("GaussianPrivacy", {"noise_multiplier": 1.5})],
+                       "site-2": [("GaussianPrivacy", {"clip_norm": 0.5, "noise_multiplier": 2.0})],
+                       "site-3": []}
+    # The server's accountant knows every site's policy and the delta.
+    server = json.loads((tmp_path / "jobs" / "nvfp4_jax_fedavg" / "app_server" / "config" /
+                         "config_fed_server.json").read_text())
+    (args,) = [c["args"] for c in server["workflows"] if c["path"].endswith("BudgetedFedAvg")]
+    assert args["dp_delta"] == 1e-6
+    assert args["site_privacy"]["site-2"] == {"filter": "gaussian", "clip_norm": 0.5, "noise_multiplier": 2.0}
+    assert args["site_privacy"]["site-3"] == {"filter": "none"}

@@ -51,3 +51,48 @@ def test_clipping_bounds_the_norm_and_leaves_a_small_update_alone():
 def test_no_noise_is_refused(noise_multiplier):
     with pytest.raises(ValueError, match="noise_multiplier"):
         GaussianPrivacy(1.0, noise_multiplier)
+
+
+def _filtered(name: str, options: dict, update: dict) -> dict:
+    """What a site sends after the filter `--privacy name` builds (FLARE's own process_dxo)."""
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.shareable import Shareable
+
+    from nvfp4_jax.federated.privacy import make_filter
+
+    dxo = DXO(DataKind.WEIGHT_DIFF, {k: v.copy() for k, v in update.items()})
+    return make_filter(name, options).process_dxo(dxo, Shareable(), FLContext()).data
+
+
+RANDOM = {"a": np.random.default_rng(1).normal(size=(40, 50)), "b": np.random.default_rng(2).normal(size=(1000,))}
+
+
+def test_percentile_sends_only_the_largest_magnitudes_each_clipped_to_gamma():
+    sent = _filtered("percentile", {"percentile": 90, "gamma": 0.5}, RANDOM)
+    values, original = (np.concatenate([d[k].ravel() for k in RANDOM]) for d in (sent, RANDOM))
+    kept = values != 0
+    assert kept.sum() == pytest.approx(0.1 * values.size, abs=2)  # the top 10%
+    cutoff = np.percentile(np.abs(original), 90)
+    assert np.all(np.abs(original[kept]) >= cutoff) and np.all(np.abs(original[~kept]) <= cutoff)
+    assert np.abs(values).max() == 0.5 and np.array_equal(values[kept], np.clip(original[kept], -0.5, 0.5))
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.2])
+def test_svt_releases_at_most_the_fraction_of_coordinates_clipped_and_noised(fraction):
+    sent = _filtered("svt", {"fraction": fraction, "epsilon": 1.0, "noise_var": 1.0, "gamma": 0.3}, RANDOM)
+    values = np.concatenate([sent[k].ravel() for k in RANDOM])
+    assert 0 < np.count_nonzero(values) <= np.ceil(fraction * values.size)
+    # Released values are clipped to gamma, then Laplace noise of scale 2 gamma / noise_var is added.
+    assert np.abs(values).max() > 0.3
+
+
+def test_every_filter_option_has_a_default_and_a_check():
+    from nvfp4_jax.federated.privacy import resolve_options
+
+    assert resolve_options("svt", {}) == {"fraction": 0.1, "epsilon": 0.1, "noise_var": 0.1, "gamma": 1e-5}
+    assert resolve_options("percentile", {"gamma": 0.2}) == {"percentile": 10.0, "gamma": 0.2}
+    with pytest.raises(ValueError, match="fraction=0.0 must be in"):
+        resolve_options("svt", {"fraction": 0.0})
+    with pytest.raises(ValueError, match="sigma is not an option of gaussian"):
+        resolve_options("gaussian", {"sigma": 1.0})

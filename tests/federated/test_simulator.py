@@ -62,3 +62,20 @@ def test_tensor_streaming_and_disk_offloaded_aggregation(tmp_path):
                        "--stream-tensors", "--disk-offload")
     assert [r["round"] for r in result["rounds"]] == [0, 1]
     assert result["rounds"][1]["validation_loss"] < result["rounds"][0]["validation_loss"]
+
+
+def test_gaussian_privacy_is_accounted_per_site_every_round(tmp_path):
+    from nvfp4_jax.federated.accounting import gaussian_epsilon
+
+    out, result = _run(tmp_path, "--sites", "2", "--rounds", "2", "--budget", "equal", "--privacy", "gaussian",
+                       "--noise-multiplier", "1.0", "--clip-norm", "10", "--dp-delta", "1e-6",
+                       "--site-privacy", "site-2=gaussian:noise_multiplier=2.0,clip_norm=10")
+    eps = {s: [gaussian_epsilon(nm, r, 1e-6) for r in (1, 2)] for s, nm in (("site-1", 1.0), ("site-2", 2.0))}
+    lines = [l for l in out.splitlines() if l.startswith("[federated] round 2/2")]
+    assert lines and f"site-1={eps['site-1'][1]:.3g}@delta=1e-06" in lines[0]
+    assert result["privacy"]["delta"] == 1e-6
+    for r in (1, 2):
+        spent = result["rounds"][r]["privacy"]
+        for site in ("site-1", "site-2"):
+            assert spent[site]["epsilon"] == pytest.approx(eps[site][r - 1])
+            assert spent[site]["epsilon_round"] == pytest.approx(eps[site][0])
