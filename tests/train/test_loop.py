@@ -20,7 +20,7 @@ from _helpers import flip_bytes_in_largest_file, read_metrics
 from nvfp4_jax import data as data_lib
 from nvfp4_jax.config import load_config
 from nvfp4_jax.sharding import batch_sharding, make_mesh
-from nvfp4_jax.train import checkpoint, loop, run_lock
+from nvfp4_jax.train import assembly, checkpoint, loop, run_lock
 from nvfp4_jax.train.build import build_model, jit_train_step, state_shardings
 from nvfp4_jax.train.loop import NonFiniteError, ResumeError, run
 from nvfp4_jax.train.optimizer import make_optimizer
@@ -136,7 +136,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_reproduces_the_losses(t
     def no_fresh_state(*a, **k):
         raise AssertionError("init_state called on resume")
 
-    monkeypatch.setattr(loop, "init_state", no_fresh_state)
+    monkeypatch.setattr(assembly.Run, "init_state", no_fresh_state)
     summary = run(cfg, progress=False, devices=ONE_DEVICE)
     out = capsys.readouterr()
     damaged = [line for line in out.err.splitlines() if "checkpoint step 6" in line and "is damaged" in line]
@@ -235,7 +235,7 @@ def _poison_mu_at(inner: optax.GradientTransformation, step: int, leaf: str) -> 
 
 @pytest.mark.slow
 def test_nan_optimizer_state_at_a_checkpoint_step_is_not_saved(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "make_optimizer",
+    monkeypatch.setattr(assembly, "make_optimizer",
                         lambda t: _poison_mu_at(make_optimizer(t), step=4, leaf="final_norm"))
     cfg = _config(tmp_path, "quantization=bf16", "steps=6", "checkpoint_period=2", "max_checkpoints_to_keep=1",
                   "eval_interval=1000")
@@ -255,7 +255,7 @@ def test_nan_weights_from_adam_eps_zero_are_never_saved(tmp_path, monkeypatch):
     # The config refuses adam_eps=0 (see test_config.py); force it to show the loop's own guard.
     # With eps=0, a byte that no batch contained has a zero gradient: its embedding row gets
     # 0/0 = NaN while the loss stays finite.
-    monkeypatch.setattr(loop, "make_optimizer", lambda t: make_optimizer(dataclasses.replace(t, adam_eps=0.0)))
+    monkeypatch.setattr(assembly, "make_optimizer", lambda t: make_optimizer(dataclasses.replace(t, adam_eps=0.0)))
     cfg = _config(tmp_path, "quantization=bf16", "steps=3", "checkpoint_period=1", "eval_interval=1000")
     with pytest.raises(NonFiniteError, match=r"Non-finite state after step 1: params/token_embedder/embedding "
                                              r"is not finite.*No checkpoint was saved"):
