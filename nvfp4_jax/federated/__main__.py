@@ -1,7 +1,7 @@
 """`python -m nvfp4_jax.federated [config.yml] [key=value ...] --sites N --rounds R [options]`
 
-Federated training of this project's Llama on NVIDIA FLARE: FedAvg on the server (weighted by the
-samples each site trained), this project's trainer on every site (any `quantization`, any local
+Federated training of this project's Llama on NVIDIA FLARE: FedAvg on the server (weighted by
+each site's training data, or `--weighting samples`), this project's trainer on every site (any `quantization`, any local
 mesh), per-site sample budgets. Runs the job in FLARE's simulator on this machine, or with
 `--export DIR` writes the FLARE job folder for real sites instead (docs/federated.md).
 
@@ -40,6 +40,9 @@ Options:
   --slowdown F1,F2,...      per-site compute slowdown factors (experiments), >= 1
   --watts W1,W2,...         per-site power for the stated energy model (joules = W x seconds)
   --site-devices K          local devices per site (default 1; FSDP over them)
+  --weighting W             data | samples (default data): FedAvg weights each site's update by
+                            its training tokens (FedAvg's definition), or by the samples it
+                            trained in the round (leans toward the sites given more)
   --min-responses M         a round completes with M results (default: all sites)
   --round-timeout S         seconds a round waits for results (default 0: forever)
   --disk-offload            FedAvg aggregates large updates through disk (FLARE)
@@ -47,13 +50,15 @@ Options:
   --export DIR              write the FLARE job folder to DIR instead of simulating
   --debug                   tracebacks with errors
 
-Exit codes: 0 done, 2 a bad setting (one `error: ...` line), 1 an internal error.
+Exit codes: 0 done, 2 a bad setting (one `error: ...` line), 3 every site failed in a round (the
+job ended; one `error:` line names the last good global model), 1 an internal error.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -107,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watts", default="")
     p.add_argument("--site-devices", type=int, default=1)
     p.add_argument("--min-responses", type=int, default=0)
+    p.add_argument("--weighting", default="data")
     p.add_argument("--round-timeout", type=int, default=0)
     p.add_argument("--disk-offload", action="store_true")
     p.add_argument("--stream-tensors", action="store_true")
@@ -209,6 +215,8 @@ def build_spec(argv: list[str]):
         contract_lib.check_contract(contract)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if args.weighting not in contract_lib.WEIGHTINGS:
+        raise ConfigError(f"--weighting={args.weighting!r} is not allowed: one of {', '.join(contract_lib.WEIGHTINGS)}")
     slowdowns = _floats(args.slowdown, n, "slowdown", 1.0)
     if any(not s >= 1.0 for s in slowdowns):
         raise ConfigError(f"--slowdown={args.slowdown!r}: every factor must be >= 1")
@@ -246,7 +254,7 @@ def build_spec(argv: list[str]):
         contract=contract, privacy=args.privacy, privacy_options=privacy_options, site_privacy=site_privacy,
         dp_delta=args.dp_delta,
         output_dir=run_dir, min_responses=args.min_responses, round_timeout=args.round_timeout,
-        disk_offload=args.disk_offload, stream_tensors=args.stream_tensors,
+        disk_offload=args.disk_offload, stream_tensors=args.stream_tensors, weighting=args.weighting,
         eval_batches=cfg.train.eval_steps)
     return spec, args, corpus
 
@@ -296,7 +304,21 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     workspace = args.workspace or os.path.join(spec.output_dir, "flare_workspace")
     job_lib.simulate(spec, workspace)
+    ended = _ended(spec.output_dir)
+    if ended:
+        print(f"error: {ended}", file=sys.stderr, flush=True)
+        return 3
     return 0
+
+
+def _ended(output_dir: str) -> str | None:
+    """The server's line when every site failed in a round and the job ended early, else None."""
+    try:
+        with open(os.path.join(output_dir, "federated.json")) as f:
+            rounds = json.load(f)["rounds"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return next((r["ended"] for r in rounds if r.get("ended")), None)
 
 
 if __name__ == "__main__":

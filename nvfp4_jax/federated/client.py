@@ -91,6 +91,7 @@ def _train_round(args, site, spec, received, state):
         "samples": result.samples, "steps": result.steps, "seconds": result.seconds,
         "joules": result.joules, "train_loss": result.train_loss, "shapes": shapes,
         "payload_bytes": contract_lib.payload_bytes(payload),
+        "data_tokens": getattr(state["trainer"], "data_tokens", None),
     }
     return payload, report, contract
 

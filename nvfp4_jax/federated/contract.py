@@ -26,6 +26,9 @@ import numpy as np
 
 KINDS = ("full", "diff", "subset")
 COMPRESSIONS = ("none", "fp8", "nvfp4")
+# What FedAvg weights each site's update by: its training data (tokens, FedAvg's definition), or
+# the samples it trained this round.
+WEIGHTINGS = ("data", "samples")
 _SEP = "::"
 _E4M3_MAX = 448.0
 _BLOCK = 16

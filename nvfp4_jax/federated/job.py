@@ -42,6 +42,7 @@ class FederatedSpec:
     round_timeout: int = 0
     eval_batches: int = 2
     disk_offload: bool = False
+    weighting: str = "data"
     stream_tensors: bool = False
     name: str = "nvfp4_jax_fedavg"
 
@@ -87,6 +88,7 @@ def build_job(spec: FederatedSpec):
         enable_tensor_disk_offload=spec.disk_offload,
         site_privacy={s.name: spec.privacy_of(s.name) for s in spec.sites},
         dp_delta=spec.dp_delta,
+        weighting=spec.weighting,
     ))
     if spec.stream_tensors:
         # optional dependency (NVFLARE)

@@ -1,15 +1,19 @@
 """The server side: FedAvg (FLARE's controller) with per-site sample budgets and a global evaluation.
 
-`BudgetedFedAvg` is FLARE's `FedAvg` (weighted by each site's `NUM_STEPS_CURRENT_ROUND`, which our
-sites set to the samples they trained) with three additions, each in one override:
+`BudgetedFedAvg` is FLARE's `FedAvg` (a weighted mean of the sites' updates, each weighted by its
+`NUM_STEPS_CURRENT_ROUND`) with these additions, each in one override:
 - `send_model`: every round's task carries the run's training config, the update contract and
   each site's sample budget (the `budget` policy, from the sites' measured costs);
 - `_aggregate_one_result`: a site's report (seconds, samples, joules, bytes) feeds the cost
-  model, and a compressed update is decoded before FedAvg averages it; an empty result (a site
-  that failed) is left out of the average, never mixed into it;
+  model, a compressed update is decoded before FedAvg averages it, and its weight is set by
+  `weighting` (`data`, FedAvg's definition: the site's training tokens; `samples`: the samples it
+  trained this round, which under adaptive budgets leans toward the fast sites); an empty or
+  non-finite result (a site that failed) is left out of the average, never mixed into it;
 - `update_model`: the new global model is evaluated on the held-out set, each site's privacy
   spending is accounted (`accounting.py`), the round is printed and recorded in
-  `<output_dir>/federated.json`.
+  `<output_dir>/federated.json`. A round in which every site failed leaves the global model as
+  it was (FLARE's mean of nothing is an empty model) and ends the job: the later rounds send
+  nothing, and `ended_in_round` says where it stopped.
 The initial global model is the project's own initialisation (`seed`), made on the server.
 """
 
@@ -54,6 +58,7 @@ class BudgetedFedAvg(FedAvg):
         enable_tensor_disk_offload: bool = False,
         site_privacy: dict | None = None,
         dp_delta: float = 1e-5,
+        weighting: str = "data",
     ):
         super().__init__(num_clients=len(site_names), num_rounds=num_rounds, persistor_id="",
                          enable_tensor_disk_offload=enable_tensor_disk_offload)
@@ -67,6 +72,10 @@ class BudgetedFedAvg(FedAvg):
         self.eval_batches = eval_batches
         self.site_privacy = dict(site_privacy or {})  # site -> {"filter": name, **options}
         self.dp_delta = dp_delta
+        if weighting not in contract_lib.WEIGHTINGS:
+            raise ValueError(f"weighting={weighting!r} is not one of {', '.join(contract_lib.WEIGHTINGS)}")
+        self.weighting = weighting
+        self.ended_in_round: int | None = None  # the round in which every site failed
         self._policy = budget_lib.BudgetPolicy(**self.budget_policy)
         self._contract = contract_lib.UpdateContract(**self.update_contract)
         self._costs = {s: budget_lib.SiteCost() for s in self.site_names}
@@ -95,7 +104,7 @@ class BudgetedFedAvg(FedAvg):
         self._emit({"round": 0, "validation_loss": loss, "budgets": None})
         return FLModel(params=params, params_type=ParamsType.FULL)
 
-    def save_model(self, model: FLModel) -> None:
+    def _save_model(self, model: FLModel) -> None:
         if not self.output_dir:
             return
         path = os.path.join(self.output_dir, "global_model.npz")
@@ -120,6 +129,8 @@ class BudgetedFedAvg(FedAvg):
         self._reports = {}
         self._values_sent = {}
         self._round_start = time.perf_counter()
+        if self.ended_in_round is not None:
+            return None  # every site failed in an earlier round: the job ends without training
         return super().send_model(
             task_name=task_name, data=data, targets=targets,
             min_responses=self.min_responses or None, timeout=self.round_timeout, callback=callback)
@@ -142,14 +153,28 @@ class BudgetedFedAvg(FedAvg):
             return False
         self._values_sent[site] = sum(int(np.size(v)) for v in result.params.values())
         self._reports[site] = {k: report.get(k) for k in
-                               ("samples", "steps", "seconds", "joules", "payload_bytes", "train_loss")}
+                               ("samples", "steps", "seconds", "joules", "payload_bytes", "train_loss",
+                                "data_tokens")}
+        weight = self._weight(report)
+        self._reports[site]["weight"] = weight
+        result.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] = weight  # what FedAvg weights the update by
         if site in self._costs:
             self._costs[site] = budget_lib.smooth(self._costs[site], float(report["seconds"]),
                                                   int(report["samples"]), report.get("joules"),
                                                   self._policy.ema)
         return super()._aggregate_one_result(result)
 
+    def _weight(self, report: dict) -> float:
+        """The site's FedAvg weight. A site whose data has no size (synthetic data) counts 1."""
+        if self.weighting == "samples":
+            return float(report["samples"])
+        return float(report.get("data_tokens") or 1)
+
     def update_model(self, model, aggr_result):
+        if self.ended_in_round is not None:
+            return model
+        if not any(not r.get("failed") for r in self._reports.values()):
+            return self._end_job(model)
         model = super().update_model(model, aggr_result)
         for site in self.site_names:  # no result by the time the round closed (min_responses / timeout)
             self._reports.setdefault(site, {"failed": True})
@@ -172,6 +197,27 @@ class BudgetedFedAvg(FedAvg):
         self._emit(record)
         return model
 
+    def _end_job(self, model):
+        """Every site failed this round: the global model stays the last good one, and the job ends."""
+        round_index = len(self._history)
+        for site in self.site_names:
+            self._reports.setdefault(site, {"failed": True})
+        self.ended_in_round = round_index
+        saved = os.path.join(self.output_dir, "global_model.npz") if self.output_dir else "not saved (no output_dir)"
+        message = (f"every site failed in round {round_index}; the job ends, and the last good global model "
+                   f"is round {round_index - 1}'s: {saved}")
+        self._emit({"round": round_index, "validation_loss": self._history[-1]["validation_loss"],
+                    "budgets": budget_lib.by_site(self.site_names, self._budgets or []), "sites": self._reports,
+                    "makespan_s": 0.0, "idle_s": {}, "compute_cv": 0.0, "bytes_sent": 0,
+                    "wall_s": time.perf_counter() - self._round_start, "ended": message})
+        self.error(message)
+        self._save_model(model)
+        return model
+
+    def save_model(self, model: FLModel) -> None:
+        if self.ended_in_round is None:  # else `_end_job` has saved the last good model
+            self._save_model(model)
+
     def _account(self, model) -> dict:
         """Every site's privacy record after this round; a site that sent nothing is charged as
         if it had sent the whole model (an upper bound)."""
@@ -188,18 +234,22 @@ class BudgetedFedAvg(FedAvg):
         if record.get("budgets"):
             line += " | samples " + " ".join(f"{s}={b}" for s, b in record["budgets"].items())
             line += f" | makespan {record['makespan_s']:.2f} s | sent {record['bytes_sent'] / 1e6:.3f} MB"
+        if record.get("sites"):
             failed = [s for s, r in record["sites"].items() if r.get("failed")]
             if failed:
                 line += f" | no update from {', '.join(failed)}"
-            spent = accounting.summary(record.get("privacy") or {})
-            if spent:
-                line += f" | {spent}"
+        spent = accounting.summary(record.get("privacy") or {})
+        if spent:
+            line += f" | {spent}"
+        if record.get("ended"):
+            line += " | every site failed: the job ends"
         print(f"[federated] {line}", flush=True)
         if self.output_dir:
             os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, "federated.json")
             with open(path + ".tmp", "w") as f:
                 json.dump({"policy": dataclasses.asdict(self._policy), "contract": self.update_contract,
+                           "weighting": self.weighting, "ended_in_round": self.ended_in_round,
                            "privacy": {"delta": self.dp_delta, "sites": self.site_privacy},
                            "rounds": self._history}, f, indent=1, default=float)
             os.replace(path + ".tmp", path)

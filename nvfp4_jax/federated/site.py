@@ -93,6 +93,8 @@ class SiteTrainer:
         self.state = run.init_state()
         self.data = run.dataset("train")
         self.data_step = 0  # the site's position in its own data, kept across rounds
+        # The size of what this site trains on (FedAvg's weight); None for synthetic data.
+        self.data_tokens = self.data.num_tokens
         # Compiled here, so that a round's measured time (the budget controller's input) is
         # training, not compilation.
         self._step = run.train_step.lower(self.state, run.put(self.data.batch(0))).compile()

@@ -26,6 +26,8 @@ def test_spec_from_the_command_line(tmp_path):
     # The learning-rate schedule spans the expected local steps: 4 rounds x 4 steps.
     assert spec.run_config["steps"] == 16 and spec.run_config["quantization"] == "te_fp8_currentscaling"
     assert corpus is not None and all(s.data_path.endswith(f"{s.name}.txt") for s in spec.sites)
+    assert spec.weighting == "data"  # FedAvg's own definition unless told otherwise
+    assert build_spec(["--weighting", "samples", f"base_output_directory={tmp_path}"])[0].weighting == "samples"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -68,6 +70,7 @@ def test_spec_from_the_command_line(tmp_path):
     (["--site-privacy", "site-1=svt", "--site-privacy", "site-1=percentile"], "names site-1 twice"),
     (["--site-privacy", "site-1=svt", "--compression", "fp8"], "filters uncompressed differences"),
     (["quantization=te_nvfp5"], "quantization"),
+    (["--weighting", "tokens"], "--weighting='tokens' is not allowed: one of data, samples"),
 ])
 def test_bad_settings_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

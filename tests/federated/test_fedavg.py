@@ -62,3 +62,67 @@ def test_a_site_with_a_non_finite_update_sends_nothing_and_resets_its_residual()
     with pytest.raises(RuntimeError, match="not finite"):
         client._train_round(SimpleNamespace(crash_in_round=0), "site-1", spec, received, state)
     assert state["residual"] is None
+
+
+def _controller(**kw):
+    from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
+
+    from nvfp4_jax.federated.server import BudgetedFedAvg
+
+    ctrl = BudgetedFedAvg(run_config={}, site_names=["site-1", "site-2"], num_rounds=3,
+                          budget_policy={"name": "equal", "total_samples": 4, "quantum": 2},
+                          update_contract={"kind": "diff"}, **kw)
+    # The round state FLARE's FedAvg.run sets up before a round's results arrive.
+    ctrl._aggr_helper, ctrl._aggr_metrics_helper = WeightedAggregationHelper(), WeightedAggregationHelper()
+    ctrl._all_metrics, ctrl._site_metric_weights, ctrl._params_type = True, {}, None
+    ctrl._received_count, ctrl._expected_count, ctrl.current_round = 0, 2, 0
+    ctrl._reports = {}
+    return ctrl
+
+
+@pytest.mark.parametrize("weighting, want", [
+    # site-1: +1 over 100 tokens of data, 30 samples this round; site-2: +3 over 300 tokens, 10 samples.
+    ("data", (100 * 1 + 300 * 3) / 400),
+    ("samples", (30 * 1 + 10 * 3) / 40),
+])
+def test_fedavg_weights_each_site_by_its_data_or_by_its_round_samples(weighting, want):
+    from nvflare.app_common.abstract.fl_model import FLModel
+
+    from nvfp4_jax.federated.server import META_KEY
+
+    ctrl = _controller(weighting=weighting)
+    for site, delta, tokens, samples in (("site-1", 1.0, 100, 30), ("site-2", 3.0, 300, 10)):
+        report = {"samples": samples, "steps": 1, "seconds": 0.1, "payload_bytes": 16, "train_loss": 1.0,
+                  "data_tokens": tokens}
+        # What the site itself sets; the server decides the weight.
+        meta = {"client_name": site, "NUM_STEPS_CURRENT_ROUND": samples, META_KEY: report}
+        assert ctrl._aggregate_one_result(FLModel(params={"w": np.full(4, delta, np.float32)}, meta=meta))
+    np.testing.assert_allclose(ctrl._aggr_helper.get_result()["w"], np.full(4, want), rtol=1e-6)
+    assert ctrl._reports["site-2"]["weight"] == (300 if weighting == "data" else 10)
+
+
+def test_a_round_in_which_every_site_failed_keeps_the_last_good_model_and_ends_the_job(tmp_path, capsys):
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+    from nvfp4_jax.federated import __main__ as cli
+
+    ctrl = _controller(output_dir=str(tmp_path))
+    ctrl._history = [{"round": 0, "validation_loss": 5.0, "budgets": None}]  # load_model's record
+    good = FLModel(params={"w": np.arange(4, dtype=np.float32)}, params_type=ParamsType.FULL)
+    for site in ("site-1", "site-2"):
+        assert ctrl._aggregate_one_result(FLModel(params={}, meta={"client_name": site})) is False
+    # FLARE's mean of no results is an empty model; the server keeps the one it had.
+    model = ctrl.update_model(good, FLModel(params={}, params_type=None))
+    assert model is good and ctrl.ended_in_round == 1
+    ctrl.save_model(model)
+    saved = np.load(tmp_path / "global_model.npz")
+    np.testing.assert_array_equal(saved["w"], good.params["w"])
+    # The later rounds send nothing, record nothing and leave the saved model alone.
+    assert ctrl.send_model(data=good) is None
+    assert ctrl.update_model(good, FLModel(params={}, params_type=None)) is good
+    (tmp_path / "global_model.npz").unlink()
+    ctrl.save_model(good)
+    assert not (tmp_path / "global_model.npz").exists()
+    ended = cli._ended(str(tmp_path))
+    assert ended.startswith("every site failed in round 1") and "round 0's" in ended
+    assert str(tmp_path / "global_model.npz") in ended
