@@ -17,6 +17,7 @@ from nvfp4_jax.quant import quant_rngs
 from nvfp4_jax.sharding import make_mesh
 from nvfp4_jax.train import checkpoint, loop
 from nvfp4_jax.train.build import build_model, state_shardings
+from nvfp4_jax.train.evaluation import Evaluation
 from nvfp4_jax.train.optimizer import make_optimizer
 
 ONE_DEVICE = jax.devices()[:1]
@@ -97,24 +98,17 @@ class _Writer:
         self.records.append(record)
 
 
-def _segment(mode, *, quantized=True, end=-1):
-    """A loop segment with stand-in eval steps: the quantized one returns 2.5, the BF16 one 2.0
-    (the routing is what is tested here; the numbers are the slow test's)."""
-    seg = object.__new__(loop._Segment)
-    seg.cfg = load_config(ARGS + [f"eval_quantization={mode}", f"quantization_end_step={end}",
-                                  "quantization=te_nvfp4" if quantized else "quantization=bf16"])
-    seg.eval_batches = ["batch"]
-    seg.state = None
-    seg.writer = _Writer()
-    seg.console = loop._Console(False)
-    seg.stats_step = None
-    seg.eval_step = lambda state, batch: np.float32(2.5 if quantized else 2.0)
-    seg.quantizes_anything = quantized
+def _evaluation(mode, *, quantized=True, end=-1):
+    """The run's evaluations with stand-in eval steps: the quantized one returns 2.5, the BF16 one
+    2.0 (the routing is what is tested here; the numbers are the slow test's)."""
+    cfg = load_config(ARGS + [f"eval_quantization={mode}", f"quantization_end_step={end}",
+                              "quantization=te_nvfp4" if quantized else "quantization=bf16"])
+    eval_step = lambda state, batch: np.float32(2.5 if quantized else 2.0)  # noqa: E731
     # The builder's BF16 eval step: a BF16 run's is its own eval step (assembly.Run).
-    bf16 = (lambda state, batch: np.float32(2.0)) if quantized else seg.eval_step
-    seg.run_parts = types.SimpleNamespace(bf16_eval_step=bf16)
-    seg.last_eval = {}
-    return seg
+    bf16 = (lambda state, batch: np.float32(2.0)) if quantized else eval_step
+    run = types.SimpleNamespace(eval_step=eval_step, bf16_eval_step=bf16, quant_stats_step=None,
+                                startup=types.SimpleNamespace(quantizes_anything=quantized))
+    return Evaluation(cfg, run, lambda: ["batch"], _Writer(), lambda message: None)
 
 
 @pytest.mark.parametrize("mode, want", [
@@ -123,25 +117,25 @@ def _segment(mode, *, quantized=True, end=-1):
     ("both", {"eval_loss": 2.5, "eval_loss_bf16": 2.0}),
 ])
 def test_eval_quantization_picks_the_forward_passes(mode, want):
-    seg = _segment(mode)
-    value = seg._evaluate(10)
-    (record,) = seg.writer.records
+    evaluation = _evaluation(mode)
+    value = evaluation(10, None)
+    (record,) = evaluation.writer.records
     assert {k: v for k, v in record.items() if k.startswith("eval_loss")} == want
     assert value == want.get("eval_loss", want.get("eval_loss_bf16"))
     assert record["eval_perplexity"] == pytest.approx(np.exp(value))
 
 
 def test_from_quantization_end_step_on_evaluation_is_bf16_too():
-    seg = _segment("both", end=10)
-    seg._evaluate(9)  # the next step still quantizes
-    seg._evaluate(10)  # the next step is BF16: so is "the training recipe's" evaluation
-    before, after = seg.writer.records
+    evaluation = _evaluation("both", end=10)
+    evaluation(9, None)  # the next step still quantizes
+    evaluation(10, None)  # the next step is BF16: so is "the training recipe's" evaluation
+    before, after = evaluation.writer.records
     assert (before["eval_loss"], before["eval_loss_bf16"]) == (2.5, 2.0)
     assert (after["eval_loss"], after["eval_loss_bf16"]) == (2.0, 2.0)
 
 
 def test_a_bf16_run_evaluates_once_for_both():
-    seg = _segment("both", quantized=False)
-    seg._evaluate(5)
-    (record,) = seg.writer.records
+    evaluation = _evaluation("both", quantized=False)
+    evaluation(5, None)
+    (record,) = evaluation.writer.records
     assert record["eval_loss"] == record["eval_loss_bf16"] == 2.0

@@ -342,6 +342,8 @@ def test_example_script_with_arguments_from_a_fresh_clone(tmp_path, quantization
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for name in ("XLA_FLAGS", "NVFP4_JAX_PYTHON", "PYTHONPATH", "QUANTIZATION"):
         env.pop(name, None)  # one CPU device, as a user's machine has; the clone's own package
+    # The venv's Python is this test's (whatever the newest Python on the machine is).
+    env["NVFP4_JAX_PYTHON_BASE"] = sys.executable
     if quantization_env:
         env["QUANTIZATION"] = quantization_env
     out_dir = tmp_path / "out"
