@@ -54,6 +54,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax import config as config_lib
 from nvfp4_jax import flops, projection, sharding
+from nvfp4_jax.cli import Exit, fail
 from nvfp4_jax.config import Config, ConfigError, ModelConfig, load_config
 from nvfp4_jax.model import Llama, layer_blocks, layer_is_quantized, select_attention
 from nvfp4_jax.model.ulysses import kv_repeats
@@ -61,10 +62,9 @@ from nvfp4_jax.quant import get_recipe
 from nvfp4_jax.train.build import ATTENTION_FP8_RECIPE
 
 GIB = 1024**3
-EXIT_OK, EXIT_USER, EXIT_DOES_NOT_FIT = 0, 2, 5
-EXIT_CODES = (f"exit codes: {EXIT_OK} planned (it fits, or no device memory is known); {EXIT_USER} bad input "
-              f"(one `error: ...` line); {EXIT_DOES_NOT_FIT} planned, but it does not fit the device (the plan "
-              "is printed, `fits: NO`); 1 is a crash (a bug).")
+EXIT_CODES = (f"exit codes: {Exit.OK:d} planned (it fits, or no device memory is known); {Exit.BAD_INPUT:d} bad "
+              f"input (one `error: ...` line); {Exit.DOES_NOT_FIT:d} planned, but it does not fit the device (the "
+              "plan is printed, `fits: NO`); 1 is a crash (a bug).")
 # Fraction of device memory a plan may use: the rest is for XLA's temporaries and fragmentation.
 USABLE_FRACTION = 0.9
 # Per-token values each decoder layer saves under a remat policy (besides "none"), as a function
@@ -432,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--max-context needs the device's memory: give --device-memory-gib "
                               "(no accelerator here says it)")
     except ConfigError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USER
+        return fail(exc)
     print(format_plan(cfg, plan))
     if args.max_context:
         print(_max_context_line(cfg, num_devices, memory))
@@ -442,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         estimates = projection.project(cfg.model, device, per_device_batch=cfg.train.per_device_batch_size,
                                        seq_len=cfg.model.max_target_length, num_devices=num_devices)
         print(projection.format_projection(cfg.model, device, estimates))
-    return EXIT_DOES_NOT_FIT if plan.fits is False else EXIT_OK
+    return Exit.DOES_NOT_FIT if plan.fits is False else Exit.OK
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 # The layers of docs/design.md, bottom first: a unit imports units of lower layers only.
 LAYERS = (
-    ("nvfp4_jax.nvfp4_spec", "nvfp4_jax.bitwise", "nvfp4_jax.jax_window"),
+    ("nvfp4_jax.nvfp4_spec", "nvfp4_jax.bitwise", "nvfp4_jax.jax_window", "nvfp4_jax.cli"),
     ("nvfp4_jax.quant",),
     ("nvfp4_jax.config", "nvfp4_jax.kernels"),
     ("nvfp4_jax.sharding", "nvfp4_jax.model", "nvfp4_jax.data", "nvfp4_jax.flops", "nvfp4_jax.projection"),

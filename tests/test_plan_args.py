@@ -3,6 +3,7 @@
 import pytest
 
 from nvfp4_jax import plan
+from nvfp4_jax.cli import Exit
 
 
 @pytest.mark.parametrize("option", [
@@ -53,10 +54,10 @@ def test_help_documents_the_exit_codes(capsys):
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "exit codes: 0 planned" in text and "2 bad input" in text
-    assert f"{plan.EXIT_DOES_NOT_FIT} planned, but it does not fit the device" in text and "1 is a crash" in text
+    assert f"{Exit.DOES_NOT_FIT:d} planned, but it does not fit the device" in text and "1 is a crash" in text
 
 
 def test_a_plan_that_does_not_fit_is_printed_and_exits_with_its_own_code(capsys):
-    assert plan.main(["model_name=tiny", "--device-memory-gib", "1e-9"]) == plan.EXIT_DOES_NOT_FIT == 5
+    assert plan.main(["model_name=tiny", "--device-memory-gib", "1e-9"]) == Exit.DOES_NOT_FIT == 5
     captured = capsys.readouterr()
     assert "fits: NO" in captured.out and captured.err == ""

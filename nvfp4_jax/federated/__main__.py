@@ -61,8 +61,8 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 
+from nvfp4_jax.cli import Exit, debug_requested, fail
 from nvfp4_jax.config import ConfigError, config_layers, global_batch_size, make_config
 
 DEFAULTS = {
@@ -261,10 +261,10 @@ def build_spec(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("NVFP4_JAX_DEBUG", "") not in ("", "0")
+    debug = debug_requested(argv)
     if "-h" in argv or "--help" in argv:
         print(__doc__)
-        return 0
+        return Exit.OK
     try:
         spec, args, corpus = build_spec(argv)
         if corpus is not None:
@@ -279,22 +279,18 @@ def main(argv: list[str] | None = None) -> int:
                 genres = ", ".join(f"{g} {c}" for g, c in sorted(h["genres"].items()))
                 print(f"[federated] {h['site']}: {h['plays']} plays ({genres}), {h['bytes']} bytes", flush=True)
     except ConfigError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-        return 2
+        return fail(exc, debug=debug)
     try:
         import nvflare  # noqa: F401
     except ImportError:
-        print("error: federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'", file=sys.stderr)
-        return 2
+        return fail("federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'")
     # job needs NVFLARE (optional), checked just above
     from nvfp4_jax.federated import job as job_lib
 
     if args.export:
         where = job_lib.export(spec, os.path.abspath(args.export))
         print(f"[federated] FLARE job folder written to {where} (see docs/federated.md to run it on real sites)")
-        return 0
+        return Exit.OK
     p = spec.policy
     print(f"[federated] {len(spec.sites)} sites x {spec.rounds} rounds, budget={p.name} "
           f"({p.total_samples} samples a round), update={spec.contract.kind}, "
@@ -306,9 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     job_lib.simulate(spec, workspace)
     ended = _ended(spec.output_dir)
     if ended:
-        print(f"error: {ended}", file=sys.stderr, flush=True)
-        return 3
-    return 0
+        return fail(ended, Exit.SITES_FAILED)
+    return Exit.OK
 
 
 def _ended(output_dir: str) -> str | None:

@@ -6,8 +6,9 @@ SIGTERM/SIGINT stops the study like a run (the current run saves, no further one
 results so far are written) with exit status 75; rerunning resumes it.
 
 `--check results.json [--run NAME]` re-runs one recorded run and reports whether it reproduces
-bit for bit (exit 0) or not (exit 1); derived numbers (train tails, summary, analysis) that the
-file's curves and final losses do not give fail it (exit 1, each named) before anything trains.
+bit for bit (exit 0) or not (exit 6); derived numbers (train tails, summary, analysis) that the
+file's curves and final losses do not give fail it (exit 6, each named) before anything trains.
+Exit 1 is a crash (a bug), with its traceback.
 Bad input (arguments, a results.json missing a field, a metrics.jsonl line that is not JSON) is one
 `error: ...` line with exit status 2. `--analyze results.json [--stats_out FILE]` recomputes the
 statistics of an existing study with this code.
@@ -19,10 +20,9 @@ import argparse
 import os
 import sys
 
+from nvfp4_jax.cli import Exit, fail
 from nvfp4_jax.config import ConfigError
 from nvfp4_jax.lab.arms import DEFAULT_ARMS, parse_arms
-
-EXIT_OK, EXIT_NOT_REPRODUCED, EXIT_USER, EXIT_STOPPED = 0, 1, 2, 75
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             # check trains one run: jax only on this path
             from nvfp4_jax.lab.check import check
 
-            return EXIT_OK if check(args.check, which=args.run) else EXIT_NOT_REPRODUCED
+            return Exit.OK if check(args.check, which=args.run) else Exit.NOT_REPRODUCED
         if args.analyze:
             # the analysis path: no jax
             from nvfp4_jax.lab.check import reanalyze
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             out = args.stats_out or os.path.join(os.path.dirname(args.analyze) or ".", "statistics.json")
             reanalyze(args.analyze, out, margin_percent=args.margin)
             print(f"[lab] wrote {out}")
-            return EXIT_OK
+            return Exit.OK
         # jax loads only when a study trains (--check/--analyze do without it)
         from nvfp4_jax.lab.study import run_study
 
@@ -89,13 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             curve_window=args.curve_window, extend=args.extend, margin_percent=args.margin,
         )
     except StudyStopped:
-        return EXIT_STOPPED
+        return Exit.STOPPED
     except (ConfigError, DataError, LabError, MetricsError, RunLockedError) as exc:
         # RunLockedError: another lab (or training run) is training one of these runs now.
         # MetricsError: a run's metrics.jsonl holds a line that is not a record (file and line named).
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_USER
-    return EXIT_OK
+        return fail(exc)
+    return Exit.OK
 
 
 if __name__ == "__main__":

@@ -21,38 +21,26 @@ Exit codes:
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 
+from nvfp4_jax.cli import Exit, debug_requested, fail
 from nvfp4_jax.config import ConfigError, load_config
-
-EXIT_OK, EXIT_INTERNAL, EXIT_USER, EXIT_NON_FINITE, EXIT_NO_CHECKPOINT, EXIT_STOPPED = 0, 1, 2, 3, 4, 75
-
-
-def _fail(exc: BaseException, code: int, debug: bool) -> int:
-    if debug:
-        traceback.print_exception(exc)
-    print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("NVFP4_JAX_DEBUG", "") not in ("", "0")
-    if "--debug" in argv:
-        argv.remove("--debug")
-        debug = True
+    debug = debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        return EXIT_OK
+        return Exit.OK
     options = [a for a in argv if a.startswith("--")]
     if options:
-        return _fail(ConfigError(f"Unknown option {options[0]!r}; the only option is --debug."), EXIT_USER, debug)
+        return fail(f"Unknown option {options[0]!r}; the only option is --debug.", debug=debug)
     try:
         cfg = load_config(argv)
     except ConfigError as exc:
-        return _fail(exc, EXIT_USER, debug)
+        return fail(exc, debug=debug)
 
     # Imported only now, so that config errors come back before jax loads.
     from nvfp4_jax.data import DataError
@@ -64,17 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(cfg)
     except (ConfigError, DataError, RunLockedError) as exc:  # mesh errors need the devices first
-        return _fail(exc, EXIT_USER, debug)
+        return fail(exc, debug=debug)
     except NonFiniteError as exc:
-        return _fail(exc, EXIT_NON_FINITE, debug)
+        return fail(exc, Exit.NON_FINITE, debug=debug)
     except (CheckpointError, WriteError) as exc:
-        return _fail(exc, EXIT_NO_CHECKPOINT, debug)
+        return fail(exc, Exit.NO_CHECKPOINT, debug=debug)
     # config errors come back before jax loads (as above)
     import jax
 
     if jax.process_index() == 0:
         print(format_summary(summary), flush=True)
-    return EXIT_STOPPED if summary.get("stopped_by") else EXIT_OK
+    return Exit.STOPPED if summary.get("stopped_by") else Exit.OK
 
 
 if __name__ == "__main__":

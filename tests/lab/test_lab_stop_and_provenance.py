@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from nvfp4_jax.cli import Exit
 from nvfp4_jax.lab import __main__ as lab_main
 from nvfp4_jax.lab import check, parse_arms, runs, study
 from nvfp4_jax.lab.runs import StudyStopped
@@ -123,7 +124,7 @@ def test_check_reports_a_changed_config_before_training(tmp_path, monkeypatch, c
     path.write_text(json.dumps(results))
     trained = []
     monkeypatch.setattr(runs, "train_or_reuse", lambda *a, **k: trained.append(a))
-    assert lab_main.main(["--check", str(path), "--run", "bf16-seed0"]) == 1
+    assert lab_main.main(["--check", str(path), "--run", "bf16-seed0"]) == Exit.NOT_REPRODUCED == 6
     out = capsys.readouterr().out
     assert "train.learning_rate: 0.0001 -> 0.003" in out and "Not reproducible as recorded" in out
     assert trained == []
@@ -182,7 +183,7 @@ def test_check_fails_on_derived_numbers_its_curves_do_not_give_and_names_them(
     path.write_text(json.dumps(results))
     trained = []
     monkeypatch.setattr(runs, "train_or_reuse", lambda *a, **k: trained.append(a))
-    assert lab_main.main(["--check", str(path), "--run", "te_nvfp4-seed1"]) == 1
+    assert lab_main.main(["--check", str(path), "--run", "te_nvfp4-seed1"]) == Exit.NOT_REPRODUCED
     out = capsys.readouterr().out
     assert "are not what its curves and final losses give" in out and named in out, out
     assert "Not reproducible as recorded" in out and "bit for bit" not in out

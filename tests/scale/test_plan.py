@@ -5,6 +5,7 @@ import re
 import pytest
 
 from nvfp4_jax import flops, plan
+from nvfp4_jax.cli import Exit
 from nvfp4_jax.config import load_config
 
 
@@ -95,7 +96,7 @@ def test_a_plan_that_does_not_fit_says_so_and_how_to_shrink_it(capsys):
     # The recipe as it was before fused attention and remat: ~1 TiB of attention probabilities.
     code, out, _ = _run(capsys, *EIGHT_B, "attention=dot_product", "remat_policy=none",
                         "num_vocab_tiling=1", "--num-devices", "8", "--device-memory-gib", "180")
-    assert code == plan.EXIT_DOES_NOT_FIT == 5  # its own code: 1 is a crash, 2 bad input
+    assert code == Exit.DOES_NOT_FIT == 5  # its own code: 1 is a crash, 2 bad input
     assert "fits: NO" in out and "remat_policy=full" in out and "attention=cudnn_flash" in out
     assert _number(out, "saved activations") > 1024
 

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from nvfp4_jax import plan
+from nvfp4_jax.cli import Exit
 from nvfp4_jax.config import load_config
 
 GIB = 1024**3
@@ -85,7 +86,7 @@ def test_llama3_8b_at_a_million_tokens_on_eight_devices_is_planned(capsys):
     assert re.search(r"saved activations:\s+32\.00 GiB", out)
     assert "fits: yes" in out and "context (ulysses):" in out
     # Without the vocabulary tiling the fp32 logits alone (131072 x 128256 x 8 bytes) sink it.
-    assert plan.main([a for a in argv if not a.startswith("num_vocab_tiling")]) == plan.EXIT_DOES_NOT_FIT
+    assert plan.main([a for a in argv if not a.startswith("num_vocab_tiling")]) == Exit.DOES_NOT_FIT
     assert "fits: NO" in capsys.readouterr().out
 
 
