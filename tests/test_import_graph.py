@@ -112,3 +112,21 @@ def test_every_unit_imports_only_the_layers_below_its_own():
     upward = [(unit, target) for unit, targets in graph.items() for target in targets
               if layer[target] >= layer[unit]]
     assert not upward, upward
+
+
+def test_every_function_local_import_says_why():
+    """A function-local import is there for an optional dependency or to keep a config error ahead
+    of importing jax (docs/design.md); a comment between the function's `def` and the import says
+    which."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    before = lines[fn.lineno - 1:node.lineno]
+                    if not any("#" in line for line in before):
+                        unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not unexplained, unexplained
