@@ -47,7 +47,10 @@ Options:
   --round-timeout S         seconds a round waits for results (default 0: forever)
   --disk-offload            FedAvg aggregates large updates through disk (FLARE)
   --stream-tensors          FLARE tensor streaming for the model exchange (big models)
-  --export DIR              write the FLARE job folder to DIR instead of simulating
+  --env E                   sim | poc (default sim): run the job in FLARE's simulator, or in
+                            FLARE's POC mode (a server and one client process per site on
+                            loopback, through the admin API; docs/federated.md)
+  --export DIR              write the FLARE job folder to DIR instead of running it
   --debug                   tracebacks with errors
 
 Exit codes: 0 done, 2 a bad setting (one `error: ...` line), 3 every site failed in a round (the
@@ -63,6 +66,8 @@ import os
 import sys
 
 from nvfp4_jax.cli import Exit, debug_requested, fail
+
+ENVS = ("sim", "poc")  # where the job runs: FLARE's simulator, or its POC mode
 from nvfp4_jax.config import ConfigError, config_layers, global_batch_size, make_config
 
 DEFAULTS = {
@@ -113,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--site-devices", type=int, default=1)
     p.add_argument("--min-responses", type=int, default=0)
     p.add_argument("--weighting", default="data")
+    p.add_argument("--env", default="sim")
     p.add_argument("--round-timeout", type=int, default=0)
     p.add_argument("--disk-offload", action="store_true")
     p.add_argument("--stream-tensors", action="store_true")
@@ -215,6 +221,8 @@ def build_spec(argv: list[str]):
         contract_lib.check_contract(contract)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if args.env not in ENVS:
+        raise ConfigError(f"--env={args.env!r} is not allowed: one of {', '.join(ENVS)}")
     if args.weighting not in contract_lib.WEIGHTINGS:
         raise ConfigError(f"--weighting={args.weighting!r} is not allowed: one of {', '.join(contract_lib.WEIGHTINGS)}")
     slowdowns = _floats(args.slowdown, n, "slowdown", 1.0)
@@ -299,21 +307,38 @@ def main(argv: list[str] | None = None) -> int:
           + f"; results in {spec.output_dir}",
           flush=True)
     workspace = args.workspace or os.path.join(spec.output_dir, "flare_workspace")
-    job_lib.simulate(spec, workspace)
+    if args.env == "poc":
+        # poc needs NVFLARE (optional), checked above
+        from nvfp4_jax.federated import poc
+        from nvfp4_jax.federated.server import round_line
+
+        try:
+            poc.run(job_lib.build_job(spec), [s.name for s in spec.sites], os.path.join(workspace, "poc"),
+                    spec.output_dir)
+        except poc.PocError as exc:
+            return fail(exc, Exit.INTERNAL)
+        for record in _rounds(spec.output_dir):  # the server's lines went to its own log
+            print(f"[federated] {round_line(record, spec.rounds)}", flush=True)
+    else:
+        job_lib.simulate(spec, workspace)
     ended = _ended(spec.output_dir)
     if ended:
         return fail(ended, Exit.SITES_FAILED)
     return Exit.OK
 
 
-def _ended(output_dir: str) -> str | None:
-    """The server's line when every site failed in a round and the job ended early, else None."""
+def _rounds(output_dir: str) -> list[dict]:
+    """The rounds the server recorded in `output_dir`/federated.json (none when it wrote none)."""
     try:
         with open(os.path.join(output_dir, "federated.json")) as f:
-            rounds = json.load(f)["rounds"]
+            return list(json.load(f)["rounds"])
     except (OSError, ValueError, KeyError):
-        return None
-    return next((r["ended"] for r in rounds if r.get("ended")), None)
+        return []
+
+
+def _ended(output_dir: str) -> str | None:
+    """The server's line when every site failed in a round and the job ended early, else None."""
+    return next((r["ended"] for r in _rounds(output_dir) if r.get("ended")), None)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ folder for a real deployment (`export`: POC mode or provisioned sites, see docs/
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import os
 
 from nvfp4_jax.federated import budget as budget_lib
@@ -75,6 +77,9 @@ def build_job(spec: FederatedSpec):
     from nvfp4_jax.federated.server import BudgetedFedAvg
 
     job = FedJob(name=spec.name, min_clients=spec.min_responses or len(spec.sites))
+    # The server and the sites run the installed package: FLARE copies none of it into the job's
+    # `custom` folders (a partial copy there would shadow the installed package).
+    job.set_app_packages(["nvfp4_jax"])
     job.to_server(BudgetedFedAvg(
         run_config=spec.run_config,
         site_names=[s.name for s in spec.sites],
@@ -117,5 +122,17 @@ def simulate(spec: FederatedSpec, workspace: str, log_config: str = "concise") -
 
 
 def export(spec: FederatedSpec, directory: str) -> str:
+    """Writes the job folder for real sites. Its client configs name the site script by its name
+    in the app's `custom` folder (where FLARE copies it), not by this machine's path."""
     build_job(spec).export_job(directory)
-    return os.path.join(directory, spec.name)
+    folder = os.path.join(directory, spec.name)
+    for config in glob.glob(os.path.join(folder, "app_*", "config", "config_fed_client.json")):
+        with open(config) as f:
+            text = json.load(f)
+        for executor in text.get("executors", []):
+            args = executor.get("executor", {}).get("args", {})
+            if "task_script_path" in args:
+                args["task_script_path"] = os.path.basename(args["task_script_path"])
+        with open(config, "w") as f:
+            json.dump(text, f, indent=4)
+    return folder

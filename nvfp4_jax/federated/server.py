@@ -230,20 +230,7 @@ class BudgetedFedAvg(FedAvg):
 
     def _emit(self, record: dict) -> None:
         self._history.append(record)
-        line = f"round {record['round']}/{self.num_rounds}: global validation loss {record['validation_loss']:.4f}"
-        if record.get("budgets"):
-            line += " | samples " + " ".join(f"{s}={b}" for s, b in record["budgets"].items())
-            line += f" | makespan {record['makespan_s']:.2f} s | sent {record['bytes_sent'] / 1e6:.3f} MB"
-        if record.get("sites"):
-            failed = [s for s, r in record["sites"].items() if r.get("failed")]
-            if failed:
-                line += f" | no update from {', '.join(failed)}"
-        spent = accounting.summary(record.get("privacy") or {})
-        if spent:
-            line += f" | {spent}"
-        if record.get("ended"):
-            line += " | every site failed: the job ends"
-        print(f"[federated] {line}", flush=True)
+        print(f"[federated] {round_line(record, self.num_rounds)}", flush=True)
         if self.output_dir:
             os.makedirs(self.output_dir, exist_ok=True)
             path = os.path.join(self.output_dir, "federated.json")
@@ -253,3 +240,22 @@ class BudgetedFedAvg(FedAvg):
                            "privacy": {"delta": self.dp_delta, "sites": self.site_privacy},
                            "rounds": self._history}, f, indent=1, default=float)
             os.replace(path + ".tmp", path)
+
+
+def round_line(record: dict, num_rounds: int) -> str:
+    """A round's line: the global validation loss, then (after round 0) the budgets, the makespan,
+    the bytes sent, the sites that sent nothing, the privacy spent, and an end of the job."""
+    line = f"round {record['round']}/{num_rounds}: global validation loss {record['validation_loss']:.4f}"
+    if record.get("budgets"):
+        line += " | samples " + " ".join(f"{s}={b}" for s, b in record["budgets"].items())
+        line += f" | makespan {record['makespan_s']:.2f} s | sent {record['bytes_sent'] / 1e6:.3f} MB"
+    if record.get("sites"):
+        failed = [s for s, r in record["sites"].items() if r.get("failed")]
+        if failed:
+            line += f" | no update from {', '.join(failed)}"
+    spent = accounting.summary(record.get("privacy") or {})
+    if spent:
+        line += f" | {spent}"
+    if record.get("ended"):
+        line += " | every site failed: the job ends"
+    return line

@@ -1,0 +1,98 @@
+"""Running the job on FLARE's real runtime on this machine: POC mode (`--env poc`).
+
+FLARE's Recipe API `PocEnv` provisions a server, one client per site and an admin on loopback,
+starts them as separate processes, and takes the job through the admin API (submit, monitor,
+download). Two things a real deployment configures are set here for the rehearsal:
+- every process runs this Python (its folder goes first on PATH, which FLARE's start scripts
+  read for `python3`), so each one imports the installed package;
+- each participant's `local/resources.json` allows this package's components
+  (`class_allow_list`: FLARE's defaults plus `nvfp4_jax.federated.`). FLARE refuses a job's
+  component from an installed package unless the site allows it; a real site's admin adds the
+  same entry (docs/federated.md, "FLARE's real runtime").
+
+The server writes `federated.json` and `global_model.npz` to the job's output directory, as in
+the simulator. FLARE's own logs (the server's and each site's) are copied to
+`<output_dir>/poc_logs/` before the POC workspace is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import sys
+
+ALLOWED_PREFIX = "nvfp4_jax.federated."
+COMPLETED = "FINISHED:COMPLETED"
+
+
+class PocError(RuntimeError):
+    """The POC job did not complete; the message names its status and where its logs are."""
+
+
+def allow_package(workspace: str) -> list[str]:
+    """Adds this package to `class_allow_list` in every participant's `local/resources.json`
+    under the POC `workspace` (created from FLARE's `resources.json.default`); returns the files."""
+    # optional dependency (NVFLARE)
+    from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
+
+    written = []
+    for default in sorted(glob.glob(os.path.join(workspace, "*", "prod_*", "*", "local", "resources.json.default"))):
+        path = default[: -len(".default")]
+        with open(path if os.path.exists(path) else default) as f:
+            resources = json.load(f)
+        allowed = list(resources.get("class_allow_list", DEFAULT_CLASS_ALLOW_LIST))
+        if ALLOWED_PREFIX not in allowed:
+            allowed.append(ALLOWED_PREFIX)
+        resources["class_allow_list"] = allowed
+        with open(path + ".tmp", "w") as f:
+            json.dump(resources, f, indent=2)
+        os.replace(path + ".tmp", path)
+        written.append(path)
+    return written
+
+
+def run(job, site_names: list[str], workspace: str, output_dir: str, timeout: float = 0.0) -> str:
+    """Runs `job` (a FLARE `FedJob`) in a fresh POC deployment under `workspace` with one client
+    per name in `site_names`; returns the job's final status. Raises PocError unless it completed."""
+    # optional dependency (NVFLARE)
+    import nvflare.recipe.poc_env as poc_env
+
+    os.environ["NVFLARE_POC_WORKSPACE"] = os.path.abspath(workspace)
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = poc_env.PocEnv(clients=list(site_names))
+    # PocEnv.deploy provisions and then starts the processes; the allow list goes in between.
+    provision = poc_env.prepare_poc_provision
+
+    def provision_and_allow(*args, **kwargs):
+        result = provision(*args, **kwargs)
+        allow_package(env.poc_workspace)
+        return result
+
+    os.makedirs(output_dir, exist_ok=True)
+    monitor_log = os.path.join(output_dir, "poc_monitor.log")
+    status = None
+    try:
+        poc_env.prepare_poc_provision = provision_and_allow
+        with open(monitor_log, "w") as log, contextlib.redirect_stdout(log):  # the admin API's job dumps
+            job_id = env.deploy(job)
+            env.get_job_result(job_id, timeout=timeout)
+            status = env.get_job_status(job_id)
+    finally:
+        poc_env.prepare_poc_provision = provision
+        _keep_logs(env.poc_workspace, os.path.join(output_dir, "poc_logs"))
+        with open(monitor_log, "a") as log, contextlib.redirect_stdout(log):
+            env.stop(clean_up=True)
+    if status != COMPLETED:
+        raise PocError(f"the POC job ended {status}; FLARE's logs are in {os.path.join(output_dir, 'poc_logs')}")
+    return status
+
+
+def _keep_logs(workspace: str, destination: str) -> None:
+    for log in glob.glob(os.path.join(workspace, "*", "prod_*", "*", "**", "log.txt"), recursive=True):
+        participant = os.path.relpath(log, workspace).split(os.sep)[2:]
+        target = os.path.join(destination, *participant)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(log, target)
