@@ -126,3 +126,26 @@ def test_a_round_in_which_every_site_failed_keeps_the_last_good_model_and_ends_t
     ended = cli._ended(str(tmp_path))
     assert ended.startswith("every site failed in round 1") and "round 0's" in ended
     assert str(tmp_path / "global_model.npz") in ended
+
+
+def test_a_round_s_makespan_is_its_wall_time_beside_the_slowest_site_s_busy_time(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+    from nvfp4_jax.federated import server
+
+    ctrl = _controller()
+    ctrl._history = [{"round": 0, "validation_loss": 5.0, "budgets": None}]
+    ctrl._evaluator = SimpleNamespace(loss=lambda params: 4.0)  # the server's evaluation, stood in
+    monkeypatch.setattr(server.FedAvg, "update_model", lambda self, model, aggr: aggr)  # FLARE's update
+    ctrl._reports = {"site-1": {"seconds": 0.1, "samples": 2}, "site-2": {"seconds": 0.3, "samples": 2}}
+    ctrl._budgets = [2, 2]
+    ctrl._round_start = time.perf_counter() - 2.0  # the broadcast went out 2 s ago
+    ctrl.update_model(None, FLModel(params={"w": np.zeros(2, np.float32)}, params_type=ParamsType.FULL))
+    record = ctrl._history[-1]
+    assert 2.0 <= record["makespan_s"] < 10.0  # FLARE's dispatch and polling count
+    assert record["compute_makespan_s"] == 0.3
+    assert record["idle_s"]["site-1"] == pytest.approx(record["makespan_s"] - 0.1)
+    assert "(compute 0.30 s)" in server.round_line(record, 3)
