@@ -85,3 +85,36 @@ def test_to_hf_on_a_full_disk_removes_its_partial_file(tmp_path, ours, capsys, m
     assert main(["to-hf", ours, str(tmp_path / "back")]) == 2
     assert "No space left on device" in _one_error(capsys)
     assert os.listdir(tmp_path / "back") == []
+
+
+def test_load_parameters_path_refuses_a_changed_array_in_one_line(tmp_path, ours):
+    import shutil
+
+    from nvfp4_jax.config import ConfigError, load_config
+    from nvfp4_jax.sharding import make_mesh
+    from nvfp4_jax.train.build import build_model, init_state
+    from nvfp4_jax.train.optimizer import make_optimizer
+
+    from test_load_parameters import _run_args
+
+    array = params_lib.restore_numpy(ours)["layers"]["mlp"]["up"]["kernel"].copy()
+    array[0, 0, 0] += 1.0
+    shutil.rmtree(os.path.join(ours, "params", ".".join(LEAF)))
+    params_lib.write_leaf(ours, LEAF, array)
+    cfg = load_config(_run_args(tmp_path, ours))
+    state, state_sh = init_state(build_model(cfg.model), make_optimizer(cfg.train), cfg.model.max_target_length,
+                                 make_mesh(cfg.mesh), seed=0)
+    with pytest.raises(ConfigError, match="checksum mismatch in array layers.mlp.up.kernel") as err:
+        params_lib.load_into(ours, state, state_sh)
+    assert "\n" not in str(err.value)
+
+
+def test_from_hf_on_a_full_disk_is_one_line_and_removes_what_it_wrote(tmp_path, hf_dir, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise ValueError("RESOURCE_EXHAUSTED: Failed to write: No space left on device [os_error_code='28']")
+
+    monkeypatch.setattr(params_lib, "write_leaf", full)
+    out = str(tmp_path / "ours")
+    assert main(["from-hf", hf_dir[0], out]) == 2
+    assert "(OSError: No space left on device); removed what was written" in _one_error(capsys)
+    assert os.listdir(out) == []
