@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
+import re
+import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +29,7 @@ from nvfp4_jax.convert.hf import (
     model_keys_from_hf, param_shapes, tensors,
 )
 from nvfp4_jax.train import checkpoint
+from nvfp4_jax.train.checkpoint import _one_line
 from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.train import assembly
 from nvfp4_jax.train.params_checkpoint import LAYOUT_KEYS
@@ -166,6 +170,7 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
         sources[lm_head.path] = [(EMBEDDING, lm_head)]
     st = _safetensors()
     shapes = param_shapes(m)
+    checksums = {}
     with contextlib.ExitStack() as files:
         handles = {}
         for path, placements in sources.items():
@@ -178,10 +183,52 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
                 np.copyto(leaf if t.index is None else leaf[t.index], hf_array.T if t.transpose else hf_array,
                           casting="unsafe")
                 del hf_array
-            params_lib.write_leaf(out_dir, path, leaf)
+            with _writing(out_dir):
+                checksums[path] = params_lib.write_leaf(out_dir, path, leaf)
             del leaf
-    params_lib.write_meta(out_dir, m, os.path.abspath(hf_dir), shapes)
+    with _writing(out_dir):
+        params_lib.write_meta(out_dir, m, os.path.abspath(hf_dir), {p: checksums[p] for p in shapes})
     return m
+
+
+@contextlib.contextmanager
+def _writing(out_dir: str):
+    """ConvertError (one line) for a write into the new `out_dir` that fails (a full disk, a
+    permission), after removing what was written there. Orbax raises its own types (the OS
+    error inside their text) and logs each failed write thread's traceback; those logs are
+    dropped here, the error line says it all."""
+    quiet = _DropOrbaxThreadErrors()
+    logging.getLogger("absl").addFilter(quiet)
+    try:
+        yield
+    except ConvertError:
+        raise
+    except Exception as exc:
+        for name in os.listdir(out_dir):  # it was empty: everything in it is this conversion's
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        raise ConvertError(f"writing the parameters checkpoint {out_dir!r} failed ({_write_failure(exc)}); "
+                           "removed what was written: free the space and convert again.") from None
+    finally:
+        logging.getLogger("absl").removeFilter(quiet)
+
+
+class _DropOrbaxThreadErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "raised an exception" not in record.getMessage()
+
+
+def _write_failure(exc: BaseException) -> str:
+    """The OS error behind a failed write, in words; else the exception in one line."""
+    first, seen = exc, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno:
+            return f"OSError: {exc.strerror}"
+        code = re.search(r"os_error_code='(\d+)'", str(exc))
+        if code:
+            return f"OSError: {os.strerror(int(code.group(1)))}"
+        exc = exc.__cause__ or exc.__context__
+    return _one_line(first)
 
 
 # --- to-hf ------------------------------------------------------------------------------------
@@ -244,15 +291,32 @@ def _write_safetensors(path: str, planned: Sequence[Tensor], np_dtype, fetch) ->
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    tmp = f"{path}.partial"
-    with open(tmp, "wb") as f:
+    with _partial(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
         for t in planned:
             array = fetch(t)
-            assert array.shape == t.hf_shape and array.dtype == np_dtype, t.hf_name
+            if array.shape != t.hf_shape or array.dtype != np_dtype:
+                raise ConvertError(f"tensor {t.hf_name} came out {array.dtype}{list(array.shape)}, not "
+                                   f"{np_dtype}{list(t.hf_shape)}: the parameters do not match their model.")
             f.write(array.tobytes())
             del array
-    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _partial(path: str, mode: str = "w"):
+    """A file written as `path.partial` and renamed to `path` once complete; any failure removes
+    the partial file (a full disk stays no fuller), an OSError becoming one ConvertError line."""
+    tmp = f"{path}.partial"
+    try:
+        with open(tmp, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(exc, OSError):
+            raise ConvertError(f"writing {path!r} failed ({_one_line(exc)}); removed the partial file.") from None
+        raise
 
 
 def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30) -> ModelConfig:
@@ -267,7 +331,7 @@ def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: in
     if params_lib.is_params_checkpoint(src):
         meta = params_lib.read_meta(src)
         m = make_config(meta["model"]).model
-        params = params_lib.restore_numpy(src)
+        params = params_lib.restore_numpy(src, param_shapes(m))
     else:
         m, params = _restore_run(src)
     _empty_dir(out_dir, "the output")
@@ -290,8 +354,8 @@ def to_hf(src: str, out_dir: str, *, dtype: str = "float32", max_shard_bytes: in
     if len(files) > 1:
         weight_map = {t.hf_name: name for name, planned in zip(names, files) for t in planned}
         total = sum(int(np.prod(t.hf_shape)) * np_dtype.itemsize for planned in files for t in planned)
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        with _partial(os.path.join(out_dir, INDEX_FILE)) as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with _partial(os.path.join(out_dir, "config.json")) as f:  # last: its presence means finished
         json.dump(hf_config(m, dtype), f, indent=2)
     return m

@@ -21,6 +21,7 @@ with it. Every mistake is one `error: ...` line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -103,11 +104,16 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
                     max_id = max(max_id, int(ids.max()))
                     documents, tokens, longest = documents + 1, tokens + len(ids), max(longest, len(ids))
                 bar.set_postfix(documents=documents, tokens=tokens)
-    except BaseException:
-        writer.close()
-        os.remove(target + ".partial")  # a bad input leaves nothing behind
+        writer.close()  # its last flush can fail too (a full disk)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            writer.close()
+        with contextlib.suppress(OSError):
+            os.remove(target + ".partial")  # a bad input or a full disk leaves nothing behind
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, DataError):
+            raise DataError(f"writing {target} failed ({' '.join(str(exc).split())[:300]}); "
+                            "removed the partial file.") from None
         raise
-    writer.close()
     if documents == 0:
         os.remove(target + ".partial")
         raise DataError(f"--input {', '.join(inputs)}: no document has 2 or more tokens; nothing written.")

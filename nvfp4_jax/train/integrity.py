@@ -129,3 +129,38 @@ def first_non_finite(paths: list[str], flags) -> str | None:
         if not ok:
             return path
     return None
+
+
+# --- the same checksum on the host, for arrays that never reach a device -----------------------
+
+_NP_UINT_OF_ITEMSIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_HOST_CHUNK = 1 << 20  # elements per step: the temporaries stay a few MiB whatever the array
+
+
+def _np_fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _np_bits_u32(flat: np.ndarray) -> np.ndarray:
+    if flat.dtype.itemsize == 8:
+        halves = flat.view(np.uint32).reshape(-1, 2)  # little-endian: the low word first, as jax
+        return halves[:, 0] ^ _np_fmix32(halves[:, 1])
+    return flat.view(_NP_UINT_OF_ITEMSIZE[flat.dtype.itemsize]).astype(np.uint32)
+
+
+def host_leaf_checksum(x) -> tuple[int, int]:
+    """`leaf_checksum` of a host (numpy) array, computed with numpy in chunks: the same two
+    words, without a device or a full-size temporary (converted leaves stay on the host)."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    first = second = np.uint32(0)
+    with np.errstate(over="ignore"):  # uint32 arithmetic is meant to wrap modulo 2**32
+        for start in range(0, flat.size, _HOST_CHUNK):
+            bits = _np_bits_u32(flat[start:start + _HOST_CHUNK])
+            index = np.arange(start, start + bits.size, dtype=np.uint64).astype(np.uint32)
+            first += np.sum(bits * (index * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
+            second += np.sum(_np_fmix32(bits ^ _np_fmix32(index + np.uint32(0x9E3779B9))), dtype=np.uint32)
+    return int(first), int(second)

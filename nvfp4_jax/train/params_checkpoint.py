@@ -1,9 +1,14 @@
 """Parameters-only checkpoints: what `from-hf` writes and `load_parameters_path` reads.
 
 A folder holding `params/<leaf path>/` (one small orbax checkpoint per array of the params
-tree, our layout, e.g. `params/layers.mlp.gate.kernel`) and `params.json` (the leaves and the
-model keys the arrays imply, ARCHITECTURE_KEYS and LAYOUT_KEYS). The JSON is written last, so a
-folder without it is an unfinished conversion.
+tree, our layout, e.g. `params/layers.mlp.gate.kernel`) and `params.json` (the leaves, each
+leaf's checksum and the model keys the arrays imply, ARCHITECTURE_KEYS and LAYOUT_KEYS). The JSON
+is written last, so a folder without it is an unfinished conversion.
+
+The checksums are the run checkpoints' (`integrity.leaf_checksum`, here computed on the host
+while a leaf is written). Every reader (`restore`, `restore_numpy`) checks each restored leaf's
+shape and checksum and raises ConvertError naming the first one that differs; a checkpoint
+written before checksums were recorded is read with one `warning:` line.
 
 `load_parameters_path` (MaxText's key) starts a run from these parameters with a fresh optimizer
 at step 0; the run's model keys must match the recorded ones, checked before anything compiles.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Mapping
 
 import jax
@@ -23,6 +29,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from nvfp4_jax.config import ConfigError, ModelConfig
+from nvfp4_jax.train import integrity
+from nvfp4_jax.train.checkpoint import _one_line
 
 
 class ConvertError(ValueError):
@@ -53,19 +61,24 @@ def _leaf_dir(out_dir: str, path: tuple[str, ...]) -> str:
     return os.path.abspath(os.path.join(out_dir, ARRAYS_DIR, ".".join(path)))
 
 
-def write_leaf(out_dir: str, path: tuple[str, ...], array: np.ndarray) -> None:
+def write_leaf(out_dir: str, path: tuple[str, ...], array: np.ndarray) -> list[int]:
     """Saves one params leaf as its own orbax checkpoint, so that a conversion holds one leaf at
-    a time (orbax keeps every array of a save in flight, encoded, until the save ends)."""
+    a time (orbax keeps every array of a save in flight, encoded, until the save ends); returns
+    its checksum for `write_meta`."""
+    checksum = list(integrity.host_leaf_checksum(array))
     # Orbax also copies numpy arrays before writing them unless told not to.
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ckptr:
         ckptr.save(_leaf_dir(out_dir, path), args=ocp.args.PyTreeSave({"value": array}))
+    return checksum
 
 
-def write_meta(out_dir: str, m: ModelConfig, source: str, leaves) -> None:
-    """`params.json`, written after every leaf: its presence means the conversion finished."""
-    meta = {"format": FORMAT, "source": source, "leaves": [".".join(p) for p in leaves],
+def write_meta(out_dir: str, m: ModelConfig, source: str, checksums: Mapping[tuple[str, ...], list[int]]) -> None:
+    """`params.json`, written after every leaf (`checksums`: leaf path -> `write_leaf`'s
+    answer): its presence means the conversion finished."""
+    meta = {"format": FORMAT, "source": source, "leaves": [".".join(p) for p in checksums],
+            "checksums": {".".join(p): list(c) for p, c in checksums.items()},
             "model": {k: getattr(m, k) for k in ARCHITECTURE_KEYS + LAYOUT_KEYS}}
     with open(os.path.join(out_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
@@ -134,33 +147,91 @@ def _nest(items) -> dict:
 
 
 def _matching_leaves(path: str, abstract_params) -> list[tuple[tuple[str, ...], Any]]:
-    """`abstract_params`' leaves, once checked to be exactly the checkpoint's."""
+    """`abstract_params`' leaves, once checked to be exactly the checkpoint's, in name and shape."""
     saved = set(read_meta(path)["leaves"])
     wanted = _leaves(abstract_params)
     names = {".".join(p) for p, _ in wanted}
     if names != saved:
         raise ConvertError(f"{path!r} holds other parameters than this model's (missing "
                            f"{sorted(names - saved)[:3]}, unexpected {sorted(saved - names)[:3]}).")
+    _check_shapes(path, {p: a.shape for p, a in wanted})
     return wanted
+
+
+def _check_shapes(path: str, shapes: Mapping[tuple[str, ...], tuple[int, ...]]) -> None:
+    """ConvertError naming the first saved array (read from its metadata alone) whose shape is
+    not `shapes`'."""
+    with ocp.StandardCheckpointer() as ckptr:
+        for leaf_path, shape in shapes.items():
+            name = ".".join(leaf_path)
+            try:
+                item = ckptr.metadata(_leaf_dir(path, leaf_path)).item_metadata
+                saved = tuple(getattr(item, "tree", item)["value"].shape)
+            except Exception as exc:  # orbax raises many types for damaged files
+                raise ConvertError(f"array {name} of {path!r} cannot be read "
+                                   f"({_one_line(exc)}).") from None
+            if saved != tuple(shape):
+                raise ConvertError(f"array {name} of {path!r} has shape {list(saved)}, but the model "
+                                   f"it records needs {list(shape)}: the checkpoint is damaged.")
+
+
+def _expected_checksums(path: str) -> dict[str, list[int]] | None:
+    """The recorded checksums of each leaf; None, after one warning line, when the checkpoint
+    was written before checksums were recorded."""
+    sums = read_meta(path).get("checksums")
+    if sums is None:
+        if jax.process_index() == 0:
+            print(f"warning: the parameters checkpoint {path!r} records no checksums (written by an "
+                  "older version): its arrays are read unverified; convert it again to record them.",
+                  file=sys.stderr, flush=True)
+        return None
+    if not isinstance(sums, dict):
+        raise ConvertError(f"{os.path.join(path, META_FILE)!r} has no mapping of leaf -> checksum.")
+    return sums
+
+
+def _verify(path: str, name: str, got, expected: Mapping[str, list[int]] | None) -> None:
+    if expected is not None and list(map(int, got)) != list(expected.get(name, ())):
+        raise ConvertError(f"checksum mismatch in array {name} of {path!r}: the saved bytes changed "
+                           "since the conversion (convert it again).")
+
+
+def _restore_leaf(path: str, leaf_path: tuple[str, ...], read):
+    try:
+        return read(_leaf_dir(path, leaf_path))
+    except Exception as exc:  # orbax raises many types for damaged files
+        raise ConvertError(f"array {'.'.join(leaf_path)} of {path!r} cannot be read ({_one_line(exc)}).") from None
 
 
 def restore(path: str, abstract_params):
     """The params onto `abstract_params`' shapes, dtypes and shardings, leaf by leaf: each
-    device reads only its own shards."""
+    device reads only its own shards. Verified against the recorded checksums on the devices."""
     wanted = _matching_leaves(path, abstract_params)
+    expected = _expected_checksums(path)
     with ocp.StandardCheckpointer() as ckptr:
-        return _nest((p, ckptr.restore(_leaf_dir(path, p), {"value": a})["value"]) for p, a in wanted)
+        params = _nest((p, _restore_leaf(path, p, lambda d, a=a: ckptr.restore(d, {"value": a})["value"]))
+                       for p, a in wanted)
+    sums, _ = integrity.inspect(params)
+    for (leaf_path, _), got in zip(_leaves(params), sums.tolist()):
+        _verify(path, ".".join(leaf_path), got, expected)
+    return params
 
 
-def restore_numpy(path: str) -> dict:
-    """The params tree as host numpy arrays (no device involved)."""
+def restore_numpy(path: str, shapes: Mapping[tuple[str, ...], tuple[int, ...]] | None = None) -> dict:
+    """The params tree as host numpy arrays (no device involved), each checked against `shapes`
+    (when given: the recorded model's) and the recorded checksums."""
+    names = read_meta(path)["leaves"]
+    if shapes is not None:
+        _check_shapes(path, shapes)
+    expected = _expected_checksums(path)
+    args = ocp.args.PyTreeRestore(restore_args={"value": ocp.RestoreArgs(restore_type=np.ndarray)})
     out = []
     with ocp.PyTreeCheckpointer() as ckptr:
-        for name in read_meta(path)["leaves"]:
+        for name in names:
             leaf_path = tuple(name.split("."))
-            args = {"value": ocp.RestoreArgs(restore_type=np.ndarray)}
-            restored = ckptr.restore(_leaf_dir(path, leaf_path), args=ocp.args.PyTreeRestore(restore_args=args))
-            out.append((leaf_path, restored["value"]))
+            array = _restore_leaf(path, leaf_path, lambda d: ckptr.restore(d, args=args)["value"])
+            _verify(path, name, integrity.host_leaf_checksum(array), expected)
+            out.append((leaf_path, array))
     return _nest(out)
 
 
@@ -168,6 +239,8 @@ def load_into(path: str, state, state_shardings):
     """A fresh TrainState with its params replaced by the checkpoint's (`load_parameters_path`).
 
     The optimizer state is the fresh one: Adam's moments start at zero whatever the params are.
+    A damaged checkpoint (an array unreadable, of another shape, or not matching its checksum)
+    raises ConfigError, one line naming the array.
     """
     if not path:
         return state
@@ -175,8 +248,9 @@ def load_into(path: str, state, state_shardings):
                             state.params, state_shardings.params)
     try:
         _matching_leaves(path, abstract)
+        for leaf in jax.tree.leaves(state.params):  # never two copies of the params on the devices
+            leaf.delete()
+        return state.replace(params=restore(path, abstract))
     except ConvertError as exc:
         raise ConfigError(f"load_parameters_path={path!r}: {exc}") from None
-    for leaf in jax.tree.leaves(state.params):  # never two copies of the params on the devices
-        leaf.delete()
-    return state.replace(params=restore(path, abstract))
+

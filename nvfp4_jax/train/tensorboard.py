@@ -27,17 +27,41 @@ EVAL_TAGS = {"eval_loss": "eval/avg_loss", "eval_perplexity": "eval/perplexity"}
 MISSING = "tensorboardX is not installed (pip install 'nvfp4_jax[tensorboard]')"
 
 
+def _masked_crc(data: bytes) -> int:
+    # optional dependency (tensorboardX)
+    from tensorboardX.crc32c import crc32c
+
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _record_at(data: bytes, pos: int) -> int | None:
+    """The end of the TFRecord at `pos` when its length and payload CRCs hold; else None."""
+    if pos + 12 > len(data):
+        return None
+    header = data[pos:pos + 8]
+    if struct.unpack("<I", data[pos + 8:pos + 12])[0] != _masked_crc(header):
+        return None
+    (length,) = struct.unpack("<Q", header)
+    end = pos + 12 + length + 4
+    if end > len(data) or struct.unpack("<I", data[end - 4:end])[0] != _masked_crc(data[pos + 12:end - 4]):
+        return None
+    return end
+
+
 def _records(path: str) -> Iterator[tuple[bytes, bytes]]:
-    """(whole record, payload) of each complete TFRecord in an event file; a torn tail ends it."""
+    """(whole record, payload) of each intact TFRecord in an event file, its CRCs checked: damage
+    in the middle (or a torn tail) is skipped by scanning forward to the next intact record, so
+    every valid record before and after it is kept."""
     with open(path, "rb") as f:
         data = f.read()
     pos = 0
-    while pos + 12 <= len(data):
-        (length,) = struct.unpack("<Q", data[pos:pos + 8])
-        end = pos + 12 + length + 4
-        if end > len(data):
-            return
-        yield data[pos:end], data[pos + 12:pos + 12 + length]
+    while pos < len(data):
+        end = _record_at(data, pos)
+        if end is None:
+            pos += 1
+            continue
+        yield data[pos:end], data[pos + 12:end - 4]
         pos = end
 
 

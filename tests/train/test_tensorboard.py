@@ -137,3 +137,21 @@ def test_a_resumed_run_shows_every_step_once_with_the_losses_of_metrics_jsonl(tm
     for step, loss in jsonl.items():
         assert board[step] == float(np.float32(loss))  # TensorBoard stores float32: exactly that
     assert sorted(step for tag, step in seen if tag == "eval/avg_loss") == [2, 4, 6]
+
+
+def test_damage_in_the_middle_keeps_every_valid_record_before_and_after_it(tmp_path):
+    first = tb.TensorBoardWriter(str(tmp_path), start=0, learning_rate=_lr)
+    for step in range(1, 7):
+        first.write(_step(step, 10.0 - step))
+    first.close()
+    path = tb.event_files(str(tmp_path))[0]
+    records = list(tb._records(path))
+    offset = sum(len(r) for r, _ in records[: len(records) // 2])
+    with open(path, "r+b") as f:  # one record in the middle damaged
+        f.seek(offset + 14)
+        f.write(b"\xff\xff")
+    second = tb.TensorBoardWriter(str(tmp_path), start=6, learning_rate=_lr)
+    second.close()
+    assert len(list(tb._records(path))) == len(records) - 1
+    losses = {step for (tag, step) in _scalars_by_tag_and_step(str(tmp_path)) if tag == "learning/loss"}
+    assert losses == {1, 2, 3, 4, 5, 6} or len(losses) == 5 and {1, 6} <= losses
