@@ -32,7 +32,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from _report import environment, write_json  # noqa: E402
 
 from nvfp4_jax.quant import make_dot_general, nvfp4_gemm_operand  # noqa: E402
-from nvfp4_jax.quant.dot import sr_keys  # noqa: E402
+from nvfp4_jax.quant.nvfp4_backend import sr_keys  # noqa: E402
 from nvfp4_jax.quant.formats import stochastic_rounding_bits  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "gemm.json"

@@ -49,7 +49,7 @@ from nvfp4_jax.config import Config, MeshConfig, make_config  # noqa: E402
 from nvfp4_jax.flops import parameter_count, training_flops_per_step  # noqa: E402
 from nvfp4_jax.model import Llama, select_attention  # noqa: E402
 from nvfp4_jax.quant import get_recipe, make_dot_general  # noqa: E402
-from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm  # noqa: E402
+from nvfp4_jax.quant.nvfp4_backend import NVFP4Backend, emulated_gemm  # noqa: E402
 from nvfp4_jax.train.build import build_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "step.json"

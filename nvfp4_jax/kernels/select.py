@@ -23,7 +23,7 @@ import numpy as np
 
 from nvfp4_jax.bitwise import bit_diff
 from nvfp4_jax.quant import nvfp4
-from nvfp4_jax.quant.dot import NVFP4Backend
+from nvfp4_jax.quant.nvfp4_backend import NVFP4Backend
 from nvfp4_jax.quant.recipe import QUANT_KERNELS
 from nvfp4_jax.kernels import operand
 from nvfp4_jax.kernels.quantize import Copy, fused_quantize

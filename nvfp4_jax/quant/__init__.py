@@ -2,7 +2,8 @@
 
 Layout (docs/design.md): numerics (`exact`, `formats`, `hadamard`), tensors (`nvfp4`, `mxfp4`,
 `fp8`, with `spec.OperandSpec` describing one GEMM operand), the GEMM (`recipe`, `dot`: the
-skeleton and the quantizer sets, `flax_dot`, `fp8_delayed`, `backends` with `xla_backend` and
+skeleton, `quantizers`: the quantizer sets, `nvfp4_backend`: the NVFP4 operand-quantizer
+protocol, `flax_dot`, `fp8_delayed`, `backends` with `xla_backend` and
 `te_backend`), and `health`.
 
 The names below load lazily (PEP 562), so that `nvfp4_jax.quant.recipe`, which `nvfp4_jax.config`
@@ -20,7 +21,9 @@ _EXPORTS = {
               "quantize_blocks", "quantize_nvfp4", "unpack_codes"),
     "spec": ("OperandSpec",),
     # The quantized GEMM: recipes, the dot_general seam, its Flax module, FP8 state.
-    "dot": ("EMULATED", "NVFP4Backend", "Quantizers", "emulated_gemm", "make_dot_general"),
+    "dot": ("make_dot_general",),
+    "nvfp4_backend": ("EMULATED", "NVFP4Backend", "emulated_gemm"),
+    "quantizers": ("Quantizers",),
     "flax_dot": ("OVERWRITE_WITH_GRADIENT_COLLECTIONS", "QuantDotGeneral", "dot_general_factory",
                  "quant_rngs"),
     "fp8_delayed": ("init_fp8_meta",),
@@ -32,7 +35,8 @@ _EXPORTS = {
                  "resolve_backend"),
 }
 _SUBMODULES = ("exact", "formats", "fp8", "fp8_delayed", "hadamard", "mxfp4", "nvfp4", "spec", "dot",
-               "flax_dot", "recipe", "te_backend", "xla_backend", "backends", "health")
+               "nvfp4_backend", "quantizers", "flax_dot", "recipe", "te_backend", "xla_backend",
+               "backends", "health")
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = ["exact", "health", *_WHERE]

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
-from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm
+from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend, emulated_gemm
 from nvfp4_jax.quant.flax_dot import dot_general_factory as _factory
 from nvfp4_jax.quant.recipe import BACKENDS, Recipe, get_recipe, recipe_name
 _AUTO_AND_TE = "auto never picks te (quantization_backend=te asks for Transformer Engine)"

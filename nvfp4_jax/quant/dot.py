@@ -14,27 +14,12 @@ where the backward reuses a forward quantization). What varies by format is a qu
 such operands, and an optional state update (delayed FP8's amax history). The statistics hook
 lives in "quantize an operand", once.
 
-What an NVFP4 backend varies is two small functions, bundled as an
-`NVFP4Backend`:
-
-- `operand(x, spec, key)`: quantize one GEMM operand as its `OperandSpec` says. The reference
-  is `nvfp4.gemm_operand` (pure jnp): bf16 values `e2m1(code) * s_b` (exact in bf16) and the
-  fp32 per-tensor decode scale.
-- `gemm(a, b, dimension_numbers, out_dtype)`: run one GEMM on two such operands. The emulated
-  one multiplies the bf16 values with fp32 accumulation, then applies `alpha`, the product of
-  the two decode scales, in fp32, and rounds to the output dtype.
-- optionally `operand_pair(x, (spec, key), (spec, key))`: two operands of one tensor (dY's
-  DGRAD and WGRAD copies); a fused quantizer (`nvfp4_jax.kernels`) reads x once for both.
-  Without it, `operand` is called twice.
-- optionally `operand_group([(x, spec, key), ...])`: all the operands of one pass (FPROP's X
-  and W; the backward's two dY copies and X^T), bit for bit `operand` of each, with the
-  per-tensor factors computed together (`nvfp4.gemm_operand_group`): the program holds the
-  integer-built factors twice per GEMM instead of five times, which is what XLA's compile time
-  follows. Used in preference to `operand_pair` when both are given.
+What an NVFP4 backend varies (its operand quantizer and its GEMM) is an `NVFP4Backend`
+(`nvfp4_jax.quant.nvfp4_backend`); the quantizer sets live in `nvfp4_jax.quant.quantizers`.
 
 Stochastic-rounding keys: the caller passes one key per step and layer (`QuantDotGeneral`
 draws it from the "quant" rng stream); the DGRAD and WGRAD copies of dY get
-`fold_in(key, 0)` and `fold_in(key, 1)`.
+`fold_in(key, SR_DGRAD)` and `fold_in(key, SR_WGRAD)` (`nvfp4_backend.sr_keys`).
 
 Quantization statistics (`health`): handed a zero statistics pytree, the dot also measures every
 operand it quantizes, with the same spec and key, and returns the measurements as that pytree's
@@ -43,27 +28,19 @@ cotangent. Without one (the default) the computation is exactly the plain GEMMs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nvfp4_jax.quant import formats as F
 from nvfp4_jax.quant import fp8_delayed, health
-from nvfp4_jax.quant.fp8 import quantize_fp8
-from nvfp4_jax.quant.mxfp4 import quantize_mxfp4_spec
-from nvfp4_jax.quant.nvfp4 import dequantize, gemm_operand, gemm_operand_group
-from nvfp4_jax.quant.recipe import Recipe, get_recipe, operand_specs, recipe_name
-from nvfp4_jax.quant.spec import OperandSpec
-
-# fold_in constants: the two stochastically rounded copies of dY must not share random bits.
-SR_DGRAD = 0
-SR_WGRAD = 1
+from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend
+from nvfp4_jax.quant.quantizers import Quantizers, quantizers
+from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
 
 # lax.dot_general dimension numbers of the three GEMMs on X [T, K], W [K, N], dY [T, N].
 _FPROP_DIMS = (((1,), (0,)), ((), ()))  # X . W
@@ -71,60 +48,6 @@ _DGRAD_DIMS = (((1,), (1,)), ((), ()))  # dY . W^T
 _WGRAD_DIMS = (((0,), (0,)), ((), ()))  # X^T . dY
 
 DotGeneral = Callable[..., jax.Array]
-
-
-def sr_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The stochastic-rounding keys of dY's DGRAD copy and WGRAD copy, derived from `key`."""
-    return jax.random.fold_in(key, SR_DGRAD), jax.random.fold_in(key, SR_WGRAD)
-
-
-def emulated_gemm(a, b, dimension_numbers, out_dtype):
-    """The emulated NVFP4 GEMM on two `nvfp4_gemm_operand` results `(values, decode_scale)`:
-    bf16 x bf16 products accumulated in fp32, times alpha = the decode scales' product in fp32,
-    rounded to `out_dtype`."""
-    (a_values, a_decode), (b_values, b_decode) = a, b
-    return _gemm(a_values, b_values, a_decode * b_decode, dimension_numbers, out_dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class NVFP4Backend:
-    """How an NVFP4 recipe's operands are quantized and its GEMMs executed (see module doc).
-
-    `operand` and `gemm` must agree on the operand's form; `name` is what start-up lines print.
-    """
-
-    name: str = "emulated"
-    operand: Callable = gemm_operand
-    gemm: Callable = emulated_gemm
-    operand_pair: Optional[Callable] = None
-    operand_group: Optional[Callable] = None
-    # Transformer Engine's executor replaces the whole dot; this one runs the skeleton below.
-    replaces_dot: ClassVar[bool] = False
-
-    def scope(self, batch_axes: tuple[str, str]):
-        """Nothing is needed around tracing (TE's executor needs its MeshResource)."""
-        return contextlib.nullcontext()
-
-    def operands(self, x, first: tuple, second: tuple):
-        """`(operand(x, *first), operand(x, *second))` for `(spec, key)` pairs, fused when the
-        backend can."""
-        if self.operand_pair is None:
-            return self.operand(x, *first), self.operand(x, *second)
-        return self.operand_pair(x, first, second)
-
-    def group(self, items: list) -> list:
-        """`[operand(x, spec, key) for x, spec, key in items]`: the operands of one pass, their
-        per-tensor factors computed together when the backend can (`operand_group`); else dY's
-        pair (the first two items, when they share x) through `operands`."""
-        if self.operand_group is not None:
-            return list(self.operand_group(items))
-        if len(items) >= 2 and items[0][0] is items[1][0]:
-            (x, *first), (_, *second) = items[:2]
-            return [*self.operands(x, tuple(first), tuple(second)), *self.group(items[2:])]
-        return [self.operand(x, spec, key) for x, spec, key in items]
-
-
-EMULATED = NVFP4Backend(operand_group=gemm_operand_group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,161 +245,3 @@ def _quantize_group(qs: "Quantizers", items: list, aux, seen: Optional[dict]) ->
         for spec, x in items:
             seen[spec.role] = qs.measure(x, spec, aux)
     return qs.quantize_group(items, aux)
-
-
-def _gemm(a, b, alpha, dims, out_dtype):
-    """bf16 x bf16 products accumulated in fp32, times alpha in fp32, rounded to out_dtype."""
-    acc = lax.dot_general(
-        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dims, preferred_element_type=jnp.float32
-    )
-    return (acc * alpha).astype(out_dtype)
-
-
-# --- the quantizer sets: what each format provides to the skeleton ------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantizers:
-    """One format's quantizer set (hashable: part of the custom VJP's static argument).
-
-    The skeleton asks it for the recipe's operand specs (`recipe.operand_specs`: None means the
-    backward reuses a forward quantization), to quantize an operand for its spec, to measure
-    one (`health`), to run a GEMM on two of its operands, and for the next state of a stateful
-    recipe. `aux` is the per-call input the operands need: the SR key (NVFP4) or the amax
-    history (delayed FP8).
-    """
-
-    recipe: Recipe
-
-    @property
-    def specs(self) -> dict:
-        return operand_specs(self.recipe)
-
-    def aux(self, key, meta):
-        return None
-
-    def quantize(self, x, spec: OperandSpec, aux):
-        raise NotImplementedError
-
-    def quantize_group(self, items: list, aux) -> list:
-        """The `(spec, x)` operands of one pass, quantized (each on its own unless the format
-        can do better)."""
-        return [self.quantize(x, spec, aux) for spec, x in items]
-
-    def measure(self, x, spec: OperandSpec, aux):
-        raise NotImplementedError
-
-    def gemm(self, a, b, dims, out_dtype):
-        raise NotImplementedError
-
-    def state_inputs(self, operands: dict):
-        """What the state update needs of the forward's operands (kept for the backward)."""
-        return None
-
-    def next_state(self, aux, operands: dict):
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class NVFP4Quantizers(Quantizers):
-    """NVFP4: operands and GEMM from the backend; SR keys folded per dY copy."""
-
-    backend: NVFP4Backend = None  # type: ignore[assignment]
-
-    def aux(self, key, meta):
-        return key
-
-    def quantize(self, x, spec, key):
-        return self.backend.operand(x, spec, _sr_key(spec, key))
-
-    def quantize_group(self, items, key):
-        return self.backend.group([(x, spec, _sr_key(spec, key)) for spec, x in items])
-
-    def measure(self, x, spec, key):
-        return health.nvfp4_spec_stats(x, spec, _sr_key(spec, key))
-
-    def gemm(self, a, b, dims, out_dtype):
-        return self.backend.gemm(a, b, dims, out_dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class MXFP4Quantizers(Quantizers):
-    """MXFP4: E2M1 times a power of two, exact in bf16 (outside the far ends of the E8M0
-    range); no per-tensor scale. The spec's 2-D tiles, RHT and SR are honoured as NVFP4's are,
-    with the same per-copy SR keys (`mxfp4_nvfp4_recipe`)."""
-
-    def aux(self, key, meta):
-        return key
-
-    def quantize(self, x, spec, key):
-        return dequantize(quantize_mxfp4_spec(x, spec, _sr_key(spec, key)), jnp.bfloat16)
-
-    def measure(self, x, spec, key):
-        return health.mxfp4_spec_stats(x, spec, _sr_key(spec, key))
-
-    def gemm(self, a, b, dims, out_dtype):
-        return _gemm(a, b, 1.0, dims, out_dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8Quantizers(Quantizers):
-    """Per-tensor FP8 (HYBRID: E4M3 X and W, E5M2 dY). An operand is (FP8 values, fp32 decode
-    scale, amax); delayed scaling takes the scale from the history and returns the next one."""
-
-    def aux(self, key, meta):
-        return meta
-
-    def _scale(self, role, amax, meta):
-        if self.recipe.fp8_delayed:
-            return meta[fp8_delayed.scale_name(role)][0]  # from earlier steps only
-        return fp8_delayed.scale_from_amax(amax, fp8_delayed.ROLE_FORMATS[role])[0]
-
-    def _quantize(self, x, spec, meta):
-        amax = _amax(x)
-        fmt = fp8_delayed.ROLE_FORMATS[spec.role]
-        scale = self._scale(spec.role, amax, meta)
-        return quantize_fp8(x, scale, fmt), scale, amax, fmt
-
-    def quantize(self, x, spec, meta):
-        q, _, amax, _ = self._quantize(x, spec, meta)
-        return q.data, q.scale_inv, amax
-
-    def measure(self, x, spec, meta):
-        q, scale, _, fmt = self._quantize(x, spec, meta)
-        return health.fp8_stats(x, q.data, scale, q.scale_inv, fmt)
-
-    def gemm(self, a, b, dims, out_dtype):
-        (a_data, a_decode, _), (b_data, b_decode, _) = a, b
-        return _gemm(a_data, b_data, a_decode * b_decode, dims, out_dtype)
-
-    def state_inputs(self, operands):
-        return operands if self.recipe.fp8_delayed else None
-
-    def next_state(self, meta, operands):
-        amaxes = {role: op[2] for role, op in operands.items()}
-        return fp8_delayed.next_fp8_meta(meta, amaxes, margin=self.recipe.margin)
-
-
-def _amax(x):
-    # An integer max over |x| bits: XLA's float max can drop NaN.
-    return F.bits_to_f32(jnp.max(F.abs_bits(x)))
-
-
-_SR_FOLD = {"dy": SR_DGRAD, "dy_wgrad": SR_WGRAD}
-
-
-def _sr_key(spec: OperandSpec, key):
-    """The stochastic-rounding key of one operand: the step's key folded with its dY copy's
-    constant (`sr_keys`); None for an operand that rounds to nearest."""
-    return jax.random.fold_in(key, _SR_FOLD[spec.role]) if spec.stochastic else None
-
-
-def quantizers(recipe: Recipe, backend: NVFP4Backend = None) -> Quantizers:
-    """The quantizer set of a quantized `recipe` (NVFP4 operands and GEMMs by `backend`)."""
-    if recipe.format == "nvfp4":
-        return NVFP4Quantizers(recipe, backend or EMULATED)
-    if recipe.format == "mxfp4":
-        return MXFP4Quantizers(recipe)
-    if recipe.format == "fp8":
-        return FP8Quantizers(recipe)
-    raise ValueError(f"{recipe_name(recipe)} quantizes nothing: it has no quantizer set")

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from nvfp4_jax.quant import fp8_delayed, health, te_backend
-from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, make_dot_general
+from nvfp4_jax.quant.dot import make_dot_general
+from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend
 from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
 
 RNG_STREAM = "quant"
@@ -49,7 +50,7 @@ class QuantDotGeneral(nn.Module):
 
     Attributes:
       recipe: a `Recipe` or its flag string.
-      nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`dot.NVFP4Backend`,
+      nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`nvfp4_backend.NVFP4Backend`,
         ignored by the other formats), or `te_backend.TE`: Transformer Engine runs the whole
         quantized GEMM of the recipe (NVFP4 or FP8). `backends.make_backend(name)` gives either.
       quant_stats: measure every quantized operand (variables in `health.COLLECTION`, whose

@@ -27,7 +27,8 @@ from nvfp4_jax.quant import (
     unpack_codes,
     unpack_nibbles,
 )
-from nvfp4_jax.quant.dot import EMULATED, NVFP4Backend, emulated_gemm, make_dot_general, sr_keys
+from nvfp4_jax.quant.dot import make_dot_general
+from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend, emulated_gemm, sr_keys
 from nvfp4_jax.quant.recipe import get_recipe
 
 T, K, N = 32, 64, 32

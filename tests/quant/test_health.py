@@ -20,7 +20,8 @@ from nvfp4_jax.quant import (
     quantize_mxfp4,
     random_hadamard_transform,
 )
-from nvfp4_jax.quant.dot import make_dot_general, sr_keys
+from nvfp4_jax.quant.dot import make_dot_general
+from nvfp4_jax.quant.nvfp4_backend import sr_keys
 from nvfp4_jax.quant.flax_dot import QuantDotGeneral, quant_rngs
 from nvfp4_jax.quant.recipe import get_recipe
 

@@ -24,7 +24,7 @@ from nvfp4_jax.quant import (
     unpack_codes,
     xla_operand,
 )
-from nvfp4_jax.quant.dot import NVFP4Backend, emulated_gemm, sr_keys
+from nvfp4_jax.quant.nvfp4_backend import NVFP4Backend, emulated_gemm, sr_keys
 from nvfp4_jax.quant.nvfp4 import gemm_operand
 from nvfp4_jax.quant.xla_backend import (
     BlockScaledOperand,
