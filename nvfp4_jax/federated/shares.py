@@ -10,17 +10,23 @@ mean of the workers' mean gradients is wrong as soon as the shares differ.
 The shares are re-split by the controller the federated budgets use (`budget.allocate`, with the
 quantum one microbatch and each worker's EMA-smoothed measured per-sample time): `split_shares`.
 
-Not here yet: the multi-process driver on `jax.distributed` (see docs/scaling.md).
+`train_shares` is the multi-process driver (one process per worker on `jax.distributed`; `gather_combine`
+adds the sums over processes); see docs/scaling.md for what is not done.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.flatten_util import ravel_pytree
 
-from nvfp4_jax.federated.budget import BudgetPolicy, SiteCost, allocate
+from nvfp4_jax.federated.budget import BudgetPolicy, SiteCost, allocate, smooth
 from nvfp4_jax.train.step import document_inputs, make_eval_step
 
 
@@ -69,3 +75,59 @@ def split_shares(policy: BudgetPolicy, costs: Sequence[SiteCost], previous: Sequ
     if policy.quantum != 1:
         raise ValueError(f"quantum={policy.quantum}: a share is counted in microbatches, the quantum is 1")
     return allocate(policy, costs, previous, period_index)
+
+
+def gather_combine(part):
+    """`combine` across the processes of `jax.distributed`: every process's sums and count
+    gathered (one row per process), added in the same order everywhere, divided once."""
+    grads, loss_sum, count = part
+    flat, unravel = ravel_pytree(grads)
+    rows = multihost_utils.process_allgather(jnp.concatenate([flat, jnp.stack([loss_sum, count])]))
+    total = rows.sum(axis=0)
+    return unravel(jnp.asarray(total[:-2] / total[-1])), float(total[-2] / total[-1])
+
+
+def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, period: int,
+                 slowdown: float = 1.0, policy: BudgetPolicy | None = None, log=print):
+    """This process's part of a data-parallel run with per-process shares: each step it trains
+    its share of `run`'s global batch, the shares combined token-weighted over the processes,
+    one update applied on every process; every `period` steps the measured per-sample times
+    (stretched by `slowdown`, sleeping as the federated sites do) are gathered and the shares
+    re-split identically on every process. Returns (state, per-step losses, shares per period)."""
+    me, n = jax.process_index(), jax.process_count()
+    split = list(initial)
+    policy = policy or BudgetPolicy(total_samples=sum(split), quantum=1)
+    data = run.dataset("train")
+    state = run.init_state()
+
+    @jax.jit
+    def update(state, grads):
+        updates, opt_state = run.optimizer.update(grads, state.opt_state, state.params)
+        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state)
+
+    costs, busy, losses, history = [SiteCost()] * n, 0.0, [], [list(split)]
+    for step in range(steps):
+        batch = data.batch(step)
+        first = sum(split[:me])
+        micro = [{k: v[(first + j) * microbatch:(first + j + 1) * microbatch] for k, v in batch.items()}
+                 for j in range(split[me])]
+        start = time.perf_counter()
+        part = jax.block_until_ready(share_sums(run.model, state, micro))
+        compute = time.perf_counter() - start
+        if slowdown > 1.0:
+            time.sleep(compute * (slowdown - 1.0))
+        busy += compute * slowdown
+        grads, loss = gather_combine(part)
+        state = update(state, grads)
+        losses.append(loss)
+        if (step + 1) % period == 0:
+            seconds = multihost_utils.process_allgather(np.float64(busy))
+            costs = [smooth(c, float(s), k * microbatch * period, None, policy.ema)
+                     for c, s, k in zip(costs, seconds, split)]
+            split = split_shares(policy, costs, split, (step + 1) // period)
+            history.append(list(split))
+            log(f"shares: step={step + 1} microbatches={split} seconds_per_sample="
+                f"[{', '.join(f'{c.seconds_per_sample:.4g}' for c in costs)}]")
+            busy = 0.0
+    return state, losses, history
