@@ -1,0 +1,133 @@
+"""Data parallel training with per-process shares of a fixed global batch (issue 31, DDP): the numerics.
+
+Every step has a fixed global batch of K microbatches of a fixed size M. Worker i trains its share
+of k_i microbatches (sum k_i = K, k_i >= 1; every array keeps a static shape: no padding, no dummy
+rows). The gradient must be the global batch's token-weighted mean, so each worker returns the SUM
+of its per-token loss gradients and its token count (`share_sums`), the sums and counts are added
+over workers and divided once (`combine`), and one optimizer update is applied. An equal-weight
+mean of the workers' mean gradients is wrong as soon as the shares differ.
+
+The shares are re-split by the controller the federated budgets use (`budget.allocate`, with the
+quantum one microbatch and each worker's EMA-smoothed measured per-sample time): `split_shares`.
+
+`train_shares` is the multi-process driver (one process per worker on `jax.distributed`; `gather_combine`
+adds the sums over processes); see docs/scaling.md for what is not done.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.flatten_util import ravel_pytree
+
+from nvfp4_jax.federated.budget import BudgetPolicy, SiteCost, allocate, smooth
+from nvfp4_jax.train.step import document_inputs, make_eval_step
+
+
+def token_count(batch) -> jax.Array:
+    """The counted targets of `batch` (Llama.loss's total_weights)."""
+    weights = document_inputs(batch).get("loss_weights_BxL")
+    return jnp.asarray(batch["targets"].size if weights is None else weights.sum(), jnp.float32)
+
+
+def share_sums(model, state, microbatches: Sequence[dict]):
+    """(sum of per-token loss gradients, sum of per-token losses, token count) over one worker's
+    microbatches, with the model's own loss (the eval step's, keyed as the train step's)."""
+    eval_step = make_eval_step(model)
+    key = state.sr_key()
+
+    def summed_loss(params, batch):
+        count = token_count(batch)
+        # The mean loss times its denominator: the sum of the per-token losses.
+        return eval_step(state.replace(params=params, rng=key), batch) * count, count
+
+    grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+    grads = loss_sum = count = None
+    for batch in microbatches:
+        (loss, n), g = grad_fn(state.params, batch)
+        if grads is None:
+            grads, loss_sum, count = g, loss, n
+        else:
+            grads = jax.tree.map(jnp.add, grads, g)
+            loss_sum, count = loss_sum + loss, count + n
+    return grads, loss_sum, count
+
+
+def combine(parts: Sequence[tuple]):
+    """The global batch's token-weighted mean gradient and mean loss from every worker's
+    `share_sums`: sums and counts added over workers, divided once."""
+    grads = jax.tree.map(lambda *gs: sum(gs[1:], gs[0]), *[p[0] for p in parts])
+    loss_sum = sum(p[1] for p in parts[1:]) + parts[0][1]
+    count = sum(p[2] for p in parts[1:]) + parts[0][2]
+    return jax.tree.map(lambda g: g / count, grads), loss_sum / count
+
+
+def split_shares(policy: BudgetPolicy, costs: Sequence[SiteCost], previous: Sequence[int] | None,
+                 period_index: int) -> list[int]:
+    """Microbatches per worker for the next period: `budget.allocate` over microbatches
+    (`policy.quantum` = 1 microbatch, `total_samples` = K), at least one per worker."""
+    if policy.quantum != 1:
+        raise ValueError(f"quantum={policy.quantum}: a share is counted in microbatches, the quantum is 1")
+    return allocate(policy, costs, previous, period_index)
+
+
+def gather_combine(part):
+    """`combine` across the processes of `jax.distributed`: every process's sums and count
+    gathered (one row per process), added in the same order everywhere, divided once."""
+    grads, loss_sum, count = part
+    flat, unravel = ravel_pytree(grads)
+    rows = multihost_utils.process_allgather(jnp.concatenate([flat, jnp.stack([loss_sum, count])]))
+    total = rows.sum(axis=0)
+    return unravel(jnp.asarray(total[:-2] / total[-1])), float(total[-2] / total[-1])
+
+
+def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, period: int,
+                 slowdown: float = 1.0, policy: BudgetPolicy | None = None, log=print):
+    """This process's part of a data-parallel run with per-process shares: each step it trains
+    its share of `run`'s global batch, the shares combined token-weighted over the processes,
+    one update applied on every process; every `period` steps the measured per-sample times
+    (stretched by `slowdown`, sleeping as the federated sites do) are gathered and the shares
+    re-split identically on every process. Returns (state, per-step losses, shares per period)."""
+    me, n = jax.process_index(), jax.process_count()
+    split = list(initial)
+    policy = policy or BudgetPolicy(total_samples=sum(split), quantum=1)
+    data = run.dataset("train")
+    state = run.init_state()
+
+    @jax.jit
+    def update(state, grads):
+        updates, opt_state = run.optimizer.update(grads, state.opt_state, state.params)
+        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state)
+
+    costs, busy, losses, history = [SiteCost()] * n, 0.0, [], [list(split)]
+    for step in range(steps):
+        batch = data.batch(step)
+        first = sum(split[:me])
+        micro = [{k: v[(first + j) * microbatch:(first + j + 1) * microbatch] for k, v in batch.items()}
+                 for j in range(split[me])]
+        start = time.perf_counter()
+        part = jax.block_until_ready(share_sums(run.model, state, micro))
+        compute = time.perf_counter() - start
+        if slowdown > 1.0:
+            time.sleep(compute * (slowdown - 1.0))
+        busy += compute * slowdown
+        grads, loss = gather_combine(part)
+        state = update(state, grads)
+        losses.append(loss)
+        if (step + 1) % period == 0:
+            seconds = multihost_utils.process_allgather(np.float64(busy))
+            costs = [smooth(c, float(s), k * microbatch * period, None, policy.ema)
+                     for c, s, k in zip(costs, seconds, split)]
+            split = split_shares(policy, costs, split, (step + 1) // period)
+            history.append(list(split))
+            log(f"shares: step={step + 1} microbatches={split} seconds_per_sample="
+                f"[{', '.join(f'{c.seconds_per_sample:.4g}' for c in costs)}]")
+            busy = 0.0
+    return state, losses, history
