@@ -26,9 +26,9 @@ import sys
 
 import numpy as np
 
+from nvfp4_jax.cli import Exit, fail
 from nvfp4_jax.config import Config, ConfigError, from_dict
 
-EXIT_OK, EXIT_USER, EXIT_NO_CHECKPOINT = 0, 2, 4
 # The smallest temperature but 0 (greedy): logits / T, computed in float64 from float32 logits
 # (|logit| < 3.5e38), stays finite for every T >= 1e-6, so softmax never becomes NaN; below it
 # sampling is greedy for every practical purpose anyway.
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return EXIT_OK
+        return Exit.OK
     # config errors come back before jax loads
     from nvfp4_jax.data import DataError
     from nvfp4_jax.train.checkpoint import CheckpointError
@@ -193,15 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--prompt is empty and this run's documents have no BOS to start from; give a prompt.")
         params, step = load_params(args.run_dir, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-        return EXIT_NO_CHECKPOINT if isinstance(exc, CheckpointError) else EXIT_USER
+        return fail(exc, Exit.NO_CHECKPOINT if isinstance(exc, CheckpointError) else Exit.BAD_INPUT)
 
     new = generate(bf16_logits(cfg, params), prompt_ids, length=cfg.model.max_target_length,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None, num_ids=tokenizer.vocab_size)
     print(f"[checkpoint step {step} of {os.path.abspath(args.run_dir)}; {tokenizer.describe()}]", file=sys.stderr)
     print(tokenizer.decode(np.concatenate([prompt_ids, new]).astype(np.int64)), flush=True)
-    return EXIT_OK
+    return Exit.OK
 
 
 if __name__ == "__main__":

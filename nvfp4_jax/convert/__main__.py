@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import sys
 
-EXIT_OK, EXIT_USER = 0, 2
-
-
-def _fail(message: str) -> int:
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    return EXIT_USER
+from nvfp4_jax.cli import Exit, fail
 
 
 def _options(args: list[str], allowed: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -46,10 +41,10 @@ def _options(args: list[str], allowed: dict[str, str]) -> tuple[list[str], dict[
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        return _fail("No command; choose from-hf or to-hf (python -m nvfp4_jax.convert --help).")
+        return fail("No command; choose from-hf or to-hf (python -m nvfp4_jax.convert --help).")
     if argv[0] in ("-h", "--help"):
         print(__doc__)
-        return EXIT_OK
+        return Exit.OK
     command, args = argv[0], argv[1:]
     # Imported only now: no command and --help answer before jax and the model load.
     from nvfp4_jax.config import ConfigError, parse_overrides
@@ -81,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise ValueError(f"Unknown command {command!r}; choose from-hf or to-hf (see --help).")
     except (ValueError, ConfigError, ConvertError) as exc:
-        return _fail(str(exc))
-    return EXIT_OK
+        return fail(exc)
+    return Exit.OK
 
 
 if __name__ == "__main__":

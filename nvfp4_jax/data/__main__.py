@@ -29,13 +29,13 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from nvfp4_jax.cli import Exit, fail
 from nvfp4_jax.config import TOKENIZER_TYPES
 from nvfp4_jax.data import sources
 from nvfp4_jax.data.errors import DataError, require
 from nvfp4_jax.data.tokenizer import load_tokenizer
 
 OUTPUT_FILE = "documents" + sources.ARRAY_RECORD
-EXIT_OK, EXIT_USER = 0, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,15 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return EXIT_OK
+        return Exit.OK
     try:
         args = _parser().parse_args(argv)
         summary = prepare(args.input, args.output, tokenizer_path=args.tokenizer,
                           tokenizer_type=args.tokenizer_type, column=args.column, add_bos=not args.no_bos,
                           add_eos=not args.no_eos, overwrite=args.overwrite)
     except DataError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-        return EXIT_USER
+        return fail(exc)
     tok = summary["tokenizer"]
     mean = summary["tokens"] / summary["documents"]
     print(f"prepared {summary['documents']:,} documents, {summary['tokens']:,} tokens (mean {mean:,.1f}, "
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
           f"tokenizer_type={tok['tokenizer_type']}"
           + (f" tokenizer_path={tok['tokenizer_path']}" if tok["tokenizer_path"] else "")
           + f" vocab_size={tok['vocab_size']} (or more)")
-    return EXIT_OK
+    return Exit.OK
 
 
 if __name__ == "__main__":
