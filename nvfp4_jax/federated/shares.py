@@ -36,21 +36,28 @@ def token_count(batch) -> jax.Array:
     return jnp.asarray(batch["targets"].size if weights is None else weights.sum(), jnp.float32)
 
 
-def share_sums(model, state, microbatches: Sequence[dict]):
-    """(sum of per-token loss gradients, sum of per-token losses, token count) over one worker's
-    microbatches, with the model's own loss (the eval step's, keyed as the train step's)."""
+def share_grad_fn(model):
+    """One microbatch's ((sum of per-token losses, token count), gradient of that sum), jitted:
+    built once per run, so that a step runs compiled code (one compilation per microbatch shape)."""
     eval_step = make_eval_step(model)
-    key = state.sr_key()
 
-    def summed_loss(params, batch):
+    def summed_loss(params, state, batch):
         count = token_count(batch)
         # The mean loss times its denominator: the sum of the per-token losses.
-        return eval_step(state.replace(params=params, rng=key), batch) * count, count
+        return eval_step(state.replace(params=params), batch) * count, count
 
-    grad_fn = jax.value_and_grad(summed_loss, has_aux=True)
+    return jax.jit(jax.value_and_grad(summed_loss, has_aux=True))
+
+
+def share_sums(model, state, microbatches: Sequence[dict], *, grad_fn=None):
+    """(sum of per-token loss gradients, sum of per-token losses, token count) over one worker's
+    microbatches, with the model's own loss (the eval step's, keyed as the train step's).
+    `grad_fn`: `share_grad_fn(model)`, when the caller keeps one across steps."""
+    grad_fn = grad_fn or share_grad_fn(model)
+    keyed = state.replace(rng=state.sr_key())
     grads = loss_sum = count = None
     for batch in microbatches:
-        (loss, n), g = grad_fn(state.params, batch)
+        (loss, n), g = grad_fn(state.params, keyed, batch)
         if grads is None:
             grads, loss_sum, count = g, loss, n
         else:
@@ -100,6 +107,8 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
     data = run.dataset("train")
     state = run.init_state()
 
+    grad_fn = share_grad_fn(run.model)
+
     @jax.jit
     def update(state, grads):
         updates, opt_state = run.optimizer.update(grads, state.opt_state, state.params)
@@ -113,7 +122,7 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
         micro = [{k: v[(first + j) * microbatch:(first + j + 1) * microbatch] for k, v in batch.items()}
                  for j in range(split[me])]
         start = time.perf_counter()
-        part = jax.block_until_ready(share_sums(run.model, state, micro))
+        part = jax.block_until_ready(share_sums(run.model, state, micro, grad_fn=grad_fn))
         compute = time.perf_counter() - start
         if slowdown > 1.0:
             time.sleep(compute * (slowdown - 1.0))
