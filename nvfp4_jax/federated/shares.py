@@ -115,6 +115,13 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
         return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                              opt_state=opt_state)
 
+    # Compiled before the first measured step, so that the controller measures training, not
+    # compilation (which `slowdown` would stretch too); then every process starts together.
+    first_batch = data.batch(0)
+    warm_up = {k: v[:microbatch] for k, v in first_batch.items()}
+    jax.block_until_ready(grad_fn(state.params, state.replace(rng=state.sr_key()), warm_up))
+    multihost_utils.sync_global_devices("nvfp4_jax: shares compiled")
+
     costs, busy, losses, history = [SiteCost()] * n, 0.0, [], [list(split)]
     for step in range(steps):
         batch = data.batch(step)
