@@ -49,20 +49,27 @@ def _record_at(data: bytes, pos: int) -> int | None:
     return end
 
 
-def _records(path: str) -> Iterator[tuple[bytes, bytes]]:
+def _records(path: str, damage: list[tuple[int, int]] | None = None) -> Iterator[tuple[bytes, bytes]]:
     """(whole record, payload) of each intact TFRecord in an event file, its CRCs checked: damage
     in the middle (or a torn tail) is skipped by scanning forward to the next intact record, so
-    every valid record before and after it is kept."""
+    every valid record before and after it is kept. Each skipped span is appended to `damage` as
+    `(offset, length)` in bytes."""
     with open(path, "rb") as f:
         data = f.read()
-    pos = 0
+    pos, bad_from = 0, None
     while pos < len(data):
         end = _record_at(data, pos)
         if end is None:
+            bad_from = pos if bad_from is None else bad_from
             pos += 1
             continue
+        if bad_from is not None and damage is not None:
+            damage.append((bad_from, pos - bad_from))
+        bad_from = None
         yield data[pos:end], data[pos + 12:end - 4]
         pos = end
+    if bad_from is not None and damage is not None:
+        damage.append((bad_from, len(data) - bad_from))
 
 
 def event_files(directory: str) -> list[str]:
@@ -71,15 +78,20 @@ def event_files(directory: str) -> list[str]:
     return sorted(os.path.join(directory, n) for n in os.listdir(directory) if "tfevents" in n)
 
 
-def drop_after(directory: str, start: int) -> int:
-    """Removes the events of steps > `start` (and a torn last record); returns how many
-    scalar events were removed."""
+def drop_after(directory: str, start: int, damaged: list[str] | None = None) -> int:
+    """Removes the events of steps > `start` (and damaged bytes: a torn last record, or damage
+    in the middle, each intact record around it kept); returns how many scalar events were
+    removed. Each file that had damaged bytes is described in one phrase appended to `damaged`."""
     # optional dependency (tensorboardX)
     from tensorboardX.proto import event_pb2
 
     dropped = 0
     for path in event_files(directory):
-        records = list(_records(path))
+        damage: list[tuple[int, int]] = []
+        records = list(_records(path, damage))
+        if damage and damaged is not None:
+            spans = ", ".join(f"{length} bytes at offset {offset}" for offset, length in damage)
+            damaged.append(f"{os.path.basename(path)}: {spans}")
         kept = [record for record, payload in records
                 if not _is_later(event_pb2.Event.FromString(payload), start)]
         if len(kept) == len(records) and sum(map(len, kept)) == os.path.getsize(path):
@@ -104,7 +116,8 @@ class TensorBoardWriter:
         from tensorboardX import SummaryWriter
 
         os.makedirs(directory, exist_ok=True)
-        self.dropped = drop_after(directory, start)
+        self.damaged: list[str] = []  # one phrase per event file that had damaged bytes
+        self.dropped = drop_after(directory, start, self.damaged)
         self._learning_rate = learning_rate
         # Event files are named by the second they were opened in: a numbered suffix keeps a
         # quick restart from truncating the earlier segment's file.
@@ -166,4 +179,7 @@ def with_tensorboard(jsonl, cfg, run_dir: str, start: int, warn: Callable[[str],
     schedule = learning_rate_schedule(cfg.train)
     board = TensorBoardWriter(os.path.join(run_dir, TENSORBOARD_DIR), start=start,
                               learning_rate=lambda count: float(schedule(count)))
+    if board.damaged:
+        warn(f"note: TensorBoard events: skipped damaged bytes ({'; '.join(board.damaged)}); every "
+             "intact record before and after them is kept.")
     return _Both(jsonl, board)

@@ -98,6 +98,24 @@ def test_without_tensorboardx_the_run_warns_once_and_goes_on(tmp_path, monkeypat
     jsonl.close()
 
 
+def test_a_repaired_event_file_is_one_note_on_resume_and_an_intact_one_none(tmp_path):
+    cfg = load_config([f"base_output_directory={tmp_path}", "steps=10"])
+    board_dir = tmp_path / tb.TENSORBOARD_DIR
+    first = tb.TensorBoardWriter(str(board_dir), start=0, learning_rate=_lr)
+    for step in range(1, 4):
+        first.write(_step(step, 10.0 - step))
+    first.close()
+    notes = []
+    tb.with_tensorboard(run_dir_lib.MetricsWriter(str(tmp_path)), cfg, str(tmp_path), 3, notes.append).close()
+    assert notes == []
+    path = tb.event_files(str(board_dir))[0]  # the first segment's file
+    with open(path, "ab") as f:  # killed mid-write: a torn record
+        f.write(struct.pack("<Q", 400) + b"\0" * 20)
+    tb.with_tensorboard(run_dir_lib.MetricsWriter(str(tmp_path)), cfg, str(tmp_path), 3, notes.append).close()
+    assert len(notes) == 1 and notes[0].startswith("note: TensorBoard events")
+    assert f"{os.path.basename(path)}: 28 bytes at offset" in notes[0]
+
+
 def test_the_loop_writes_both_files_with_the_schedules_learning_rate(tmp_path):
     cfg = load_config([f"base_output_directory={tmp_path}", "steps=10", "learning_rate=0.5"])
     jsonl = run_dir_lib.MetricsWriter(str(tmp_path))
@@ -153,5 +171,8 @@ def test_damage_in_the_middle_keeps_every_valid_record_before_and_after_it(tmp_p
     second = tb.TensorBoardWriter(str(tmp_path), start=6, learning_rate=_lr)
     second.close()
     assert len(list(tb._records(path))) == len(records) - 1
+    # the repair is said, naming the file and where the damage was
+    (said,) = second.damaged
+    assert said.startswith(os.path.basename(path)) and f"at offset {offset}" in said
     losses = {step for (tag, step) in _scalars_by_tag_and_step(str(tmp_path)) if tag == "learning/loss"}
     assert losses == {1, 2, 3, 4, 5, 6} or len(losses) == 5 and {1, 6} <= losses
