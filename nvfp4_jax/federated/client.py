@@ -75,7 +75,9 @@ def _train_round(args, site, spec, received, state):
             start = args.device_offset % len(devices)
             devices = (devices[start:] + devices[:start])[:args.devices]
         state["trainer"] = SiteTrainer(cfg, contract, devices=devices, slowdown=args.slowdown, watts=args.watts)
-    result = state["trainer"].train_round(received.params, int(spec["budgets"][site]))
+    window = spec.get("schedule_window")
+    result = state["trainer"].train_round(received.params, int(spec["budgets"][site]),
+                                          schedule_window=None if window is None else tuple(window))
     if contract.sends_difference:
         update = {k: v - received.params[k] for k, v in result.params.items()}
     else:

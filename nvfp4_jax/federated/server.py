@@ -125,6 +125,7 @@ class BudgetedFedAvg(FedAvg):
             "contract": self.update_contract,
             "budgets": budget_lib.by_site(self.site_names, self._budgets),
             "round": round_index + 1,
+            "schedule_window": self._schedule_window(round_index),
         }
         self._reports = {}
         self._values_sent = {}
@@ -134,6 +135,16 @@ class BudgetedFedAvg(FedAvg):
         return super().send_model(
             task_name=task_name, data=data, targets=targets,
             min_responses=self.min_responses or None, timeout=self.round_timeout, callback=callback)
+
+    def _schedule_window(self, round_index: int) -> list[int] | None:
+        """The round's window of the learning-rate schedule in global steps: the local steps a
+        site with the nominal (equal) share of the round's samples takes, `[r * n, (r + 1) * n)`
+        (the schedule's `steps` spans all rounds of them; `site.schedule_positions`). None when
+        the policy names no round total (the sites then count their own steps)."""
+        if not self._policy.total_samples:
+            return None
+        nominal = max(1, self._policy.total_samples // (len(self.site_names) * self._policy.quantum))
+        return [round_index * nominal, (round_index + 1) * nominal]
 
     def _aggregate_one_result(self, result: FLModel) -> bool:
         site = _site_name(result)

@@ -8,6 +8,13 @@ each round's global model: it loads the received parameters into its state, runs
 parameters. The site's optimizer state and its position in its data stay on the site between
 rounds, so one site holding all the data, averaging only with itself, follows plain training.
 
+The learning-rate schedule runs in global steps: the server gives each round a window of the
+schedule, `[start, end)` (the steps a site with the nominal budget would take), and a site that
+takes k local steps in it reads the schedule at `start + j * (end - start) // k` for its j-th
+step, so a fast site with twice the budget takes smaller strides through the same window rather
+than running ahead of the others (Adam's own step count stays the site's). Without a window the
+schedule counts the site's local steps.
+
 Heterogeneity for experiments: `slowdown` stretches the site's measured compute time by that
 factor (the site sleeps for the difference, as a slower device would keep it busy), and energy is
 a stated model, `watts x busy seconds`, where no power meter is read.
@@ -66,6 +73,26 @@ class RoundResult:
     train_loss: float | None
 
 
+def schedule_positions(window: tuple[int, int], steps: int) -> list[int]:
+    """Where each of `steps` local steps reads the learning-rate schedule in the round's global
+    `window` `[start, end)`: evenly through it, `start + j * (end - start) // steps`."""
+    start, end = (int(v) for v in window)
+    if end < start:
+        raise ValueError(f"schedule window {window}: end before start")
+    return [start + j * (end - start) // steps for j in range(steps)]
+
+
+def _with_schedule_count(opt_state, count: int):
+    """`opt_state` with every schedule's step count (optax's `ScaleByScheduleState`) set to `count`,
+    placed as the count it replaces is; other counts (Adam's bias correction) stay."""
+    def set_count(node):
+        if isinstance(node, optax.ScaleByScheduleState):
+            return node._replace(count=jax.device_put(np.asarray(count, node.count.dtype), node.count.sharding))
+        return node
+
+    return jax.tree.map(set_count, opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByScheduleState))
+
+
 class SiteTrainer:
     """One site's model, optimizer state, data position and jitted step."""
 
@@ -107,16 +134,21 @@ class SiteTrainer:
         self.data_step += 1
         return self.run.put(local)
 
-    def train_round(self, global_params: Mapping[str, np.ndarray], samples: int) -> RoundResult:
-        """Trains `samples` (a multiple of the site's global batch) from the global model."""
+    def train_round(self, global_params: Mapping[str, np.ndarray], samples: int,
+                    schedule_window: tuple[int, int] | None = None) -> RoundResult:
+        """Trains `samples` (a multiple of the site's global batch) from the global model, its
+        learning-rate schedule read through the round's global `schedule_window` when given."""
         if samples % self.global_batch:
             raise ValueError(f"a budget of {samples} samples is not a multiple of this site's global batch "
                              f"{self.global_batch}")
         self.state = self.state.replace(params=_with_values(self.state.params, global_params))
         steps = samples // self.global_batch
+        positions = schedule_positions(schedule_window, steps) if schedule_window is not None else None
         start = time.perf_counter()
         losses = []
-        for _ in range(steps):
+        for j in range(steps):
+            if positions is not None:
+                self.state = self.state.replace(opt_state=_with_schedule_count(self.state.opt_state, positions[j]))
             self.state, metrics = self._step(self.state, self._batch())
             losses.append(metrics["loss"])
         losses = [float(x) for x in jax.device_get(losses)]

@@ -51,7 +51,7 @@ def test_a_site_with_a_non_finite_update_sends_nothing_and_resets_its_residual()
 
     from nvfp4_jax.federated import client
 
-    def train_round(params, budget):
+    def train_round(params, budget, schedule_window=None):
         return SimpleNamespace(params={"w": np.array([np.nan, 1.0], np.float32)}, samples=budget, steps=1,
                                seconds=0.1, joules=None, train_loss=1.0)
 
