@@ -223,19 +223,30 @@ def test_a_record_damaged_mid_file_is_a_data_error_when_read(prepared):
 
 @pytest.mark.slow
 def test_a_record_damaged_mid_file_stops_training_naming_the_last_good_checkpoint(tmp_path, capsys):
+    from nvfp4_jax.config import TrainConfig
     from nvfp4_jax.train.__main__ import main as train_main
 
     jsonl = corpora.write_jsonl(tmp_path / "short.jsonl", [f"document {i}" for i in range(200)])
     prepare([jsonl], str(tmp_path / "p"), progress=False)
     record = str(tmp_path / "p" / "documents.array_record")
     _damage_a_middle_record(record)
+    cfg = DataConfig(dataset_type="grain", grain_train_files=record, packing=False)
+    ds = data.make_dataset(cfg, seq_len=32, global_batch_size=8, seed=TrainConfig().seed, split="train",
+                           vocab_size=258)
+    bad_step = 0  # the first batch that reads the damaged record
+    while True:
+        try:
+            ds.batch(bad_step)
+        except data.DataError:
+            break
+        bad_step += 1
+    assert 2 <= bad_step < 20, bad_step
     code = train_main(["model_name=tiny", "vocab_size=258", f"base_output_directory={tmp_path / 'runs'}",
                        "dataset_type=grain", f"grain_train_files={record}", "packing=false",
-                       "max_target_length=32", "per_device_batch_size=8", "steps=60", "checkpoint_period=1",
-                       "eval_interval=1000"])
+                       "max_target_length=32", "per_device_batch_size=1", f"steps={bad_step + 3}",
+                       "checkpoint_period=1", "eval_interval=1000", "enable_tensorboard=false"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2, last
-    assert re.match(r"error: .*documents.array_record: cannot read records \(Corrupted Riegeli.*\) (The last "
-                    r"good checkpoint is step \d+ in .*|No checkpoint was saved)\. Fix the data \(re-run "
-                    r"`python -m nvfp4_jax.data prepare ... --overwrite`\) and rerun the same command to "
-                    r"resume\.$", last), last
+    assert re.match(rf"error: .*documents.array_record: cannot read records \(Corrupted Riegeli.*\)\. The last "
+                    rf"good checkpoint is step {bad_step} in .*\. Fix the data \(re-run `python -m "
+                    r"nvfp4_jax.data prepare ... --overwrite`\) and rerun the same command to resume\.$", last), last
