@@ -324,9 +324,8 @@ def hf_texts(hf_path: str, files: list[str], column: str) -> list[str]:
 def _hf_column(ds, column: str, where: str) -> list[str]:
     if column not in ds.column_names:
         raise _missing_column(column, ds.column_names, where)
-    try:
-        values = ds[column]
+    try:  # datasets may decode the column lazily, while _column walks it
+        return _column(ds[column], column, where)
     except UnicodeDecodeError as exc:  # a string column of Parquet or Arrow files holding other bytes
         raise DataError(f"{where}: a value of column {column!r} is not UTF-8 (byte {exc.start:,} of it starts "
                         f"{exc.object[exc.start:exc.start + 4]!r}); text input must be UTF-8.") from None
-    return _column(values, column, where)

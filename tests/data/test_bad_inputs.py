@@ -78,6 +78,9 @@ def test_invalid_utf8_in_parquet_names_the_row(tmp_path, capsys):
     assert re.search(r"u.parquet row 1 \(column 'text'\): byte 4 is not UTF-8", line), line
     with pytest.raises(data.DataError, match=r"u.parquet row 1 \(column 'text'\): byte 4 is not UTF-8"):
         _make(DataConfig(dataset_type="grain", grain_train_files=path))
+    with pytest.raises(data.DataError, match=r"u.parquet: a value of column 'text' is not UTF-8 \(byte 4 of it "
+                                             r"starts b'\\xff te'\); text input must be UTF-8"):
+        _make(DataConfig(dataset_type="hf", hf_train_files=path))
 
 
 def test_a_json_escape_that_is_no_text_stops_prepare(tmp_path, capsys):
