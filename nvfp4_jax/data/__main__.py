@@ -3,7 +3,7 @@
 Tokenizes text documents once and writes their ids as ArrayRecord, for `dataset_type=grain
 grain_train_files=data/documents.array_record`:
 
-  --input GLOB        text (.txt: one document per file), JSONL (one per line) or Parquet (one
+  --input GLOB        UTF-8 text (.txt: one document per file), JSONL (one per line) or Parquet (one
                       per row); repeat the option or separate globs by commas
   --output DIR        gets documents.array_record (one record per document, int32 ids), its
                       index (documents' lengths) and nvfp4_jax_data.json (tokenizer, counts)

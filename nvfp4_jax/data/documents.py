@@ -179,7 +179,8 @@ def _meta_warnings(data_cfg: DataConfig, patterns: str) -> tuple[str, ...]:
     for directory in dict.fromkeys(os.path.dirname(os.path.abspath(f))
                                    for f in sources.expand(patterns, "files")):
         meta = sources.read_meta(directory) or {}
-        made = meta.get("tokenizer", {})
+        made = meta.get("tokenizer")
+        made = made if isinstance(made, dict) else {}
         configured = os.path.abspath(os.path.expanduser(data_cfg.tokenizer_path)) if data_cfg.tokenizer_path else ""
         if made and (made.get("tokenizer_type"), made.get("tokenizer_path")) != (data_cfg.tokenizer_type, configured):
             out.append(f"{directory} was prepared with tokenizer_type={made.get('tokenizer_type')!r} "

@@ -15,13 +15,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import glob
+import io
 import json
 import os
 from typing import Callable
 
 import numpy as np
 
-from nvfp4_jax.data.errors import DataError, require
+from nvfp4_jax.data.errors import DataError, check_utf8_file, decode_utf8, one_line, read_json_object, require
 from nvfp4_jax.data.tokenizer import Tokenizer
 
 ARRAY_RECORD = ".array_record"
@@ -94,6 +95,12 @@ def _column(values, column: str, where: str) -> list[str]:
     for i, value in enumerate(values):
         if not isinstance(value, str):
             raise DataError(f"{where}: row {i} of column {column!r} is a {type(value).__name__}, not text.")
+        try:  # a JSON escape such as "\\udcff" gives a lone surrogate, which is no text
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise DataError(f"{where}: row {i} of column {column!r} holds the lone surrogate "
+                            f"{value[exc.start]!r} at character {exc.start:,} (an escape that is not "
+                            "text); text input must be UTF-8.") from None
         out.append(value)
     return out
 
@@ -103,38 +110,64 @@ def _missing_column(column: str, columns, where: str) -> DataError:
 
 
 def read_texts(path: str, column: str) -> list[str]:
-    """The documents of one local text file: `.txt` whole, `.jsonl` lines, `.parquet` rows."""
+    """The documents of one local text file: `.txt` whole, `.jsonl` lines, `.parquet` rows.
+
+    Text must be UTF-8: invalid bytes are a DataError naming the file (or row) and byte offset."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".txt":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return [f.read()]
+        with open(path, "rb") as f:
+            return [decode_utf8(f.read(), path)]
     if suffix in (".jsonl", ".json"):
         texts = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path} line {number} is not JSON ({exc.msg}).") from None
-                if not isinstance(row, dict) or column not in row:
-                    keys = list(row) if isinstance(row, dict) else type(row).__name__
-                    raise DataError(f"{path} line {number} has no column {column!r} (train_data_columns); "
-                                    f"it has {keys}.")
-                texts.append(row[column])
+        with open(path, "rb") as f:
+            text = decode_utf8(f.read(), path)
+        for number, line in enumerate(io.StringIO(text, newline=None), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {number} is not JSON ({exc.msg}).") from None
+            if not isinstance(row, dict) or column not in row:
+                keys = list(row) if isinstance(row, dict) else type(row).__name__
+                raise DataError(f"{path} line {number} has no column {column!r} (train_data_columns); "
+                                f"it has {keys}.")
+            texts.append(row[column])
         return _column(texts, column, path)
     if suffix == ".parquet":
-        pq = require("pyarrow.parquet", "Parquet input")
-        try:
-            schema = pq.read_schema(path)
-        except Exception as exc:  # pyarrow's ArrowInvalid and friends
-            raise DataError(f"{path} is not a readable Parquet file ({exc}).") from None
-        if column not in schema.names:
-            raise _missing_column(column, schema.names, path)
-        return _column(pq.read_table(path, columns=[column]).column(column).to_pylist(), column, path)
+        return _parquet_column(path, column)
     raise DataError(f"{path}: cannot read {suffix or 'files without a suffix'}; "
                     f"text input is one of {', '.join(_TEXT_SUFFIXES)}.")
+
+
+def _parquet_column(path: str, column: str) -> list[str]:
+    """The `column` of a Parquet file, read row group by row group so that a damaged data page
+    is named by its row group; string values are decoded here, so invalid UTF-8 names its row."""
+    pa = require("pyarrow", "Parquet input")
+    pq = require("pyarrow.parquet", "Parquet input")
+    try:
+        file = pq.ParquetFile(path)
+        names = file.schema_arrow.names
+    except Exception as exc:  # pyarrow's ArrowInvalid and friends
+        raise DataError(f"{path} is not a readable Parquet file ({one_line(exc)}).") from None
+    if column not in names:
+        raise _missing_column(column, names, path)
+    texts: list = []
+    with file:
+        groups = file.num_row_groups
+        for group in range(groups):
+            try:
+                values = file.read_row_group(group, columns=[column]).column(column)
+            except Exception as exc:  # OSError for a damaged page (decompression, thrift, lengths)
+                raise DataError(f"{path}: row group {group} (of {groups}) cannot be read ({one_line(exc)}); "
+                                "the file is damaged, write it again.") from None
+            if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+                first = len(texts)
+                texts.extend(None if v is None else decode_utf8(v, f"{path} row {first + i:,} (column {column!r})")
+                             for i, v in enumerate(values.cast(pa.large_binary()).to_pylist()))
+            else:
+                texts.extend(values.to_pylist())
+    return _column(texts, column, path)
 
 
 def _read_records(source, indices: list[int], where: str) -> list[np.ndarray]:
@@ -168,8 +201,10 @@ def array_records(files: list[str], key: str) -> Documents:
             raise DataError(f"{name}: cannot read records ({' '.join(str(exc).split())}).") from None
 
     indexed = read_indexes(files, n)
-    if indexed is not None:  # what `prepare` measured: no pass over the records
-        return Documents(name, *indexed[:1], read, indexed[1])
+    if indexed is not None:  # what `prepare` measured: no pass over the records but a probe
+        lengths, max_id, per_file = indexed
+        _probe(lengths, per_file, files, read)
+        return Documents(name, lengths, read, max_id)
     lengths = np.zeros(n, np.int64)
     lo, hi = 0, -1
     for first in range(0, n, 4096):
@@ -183,32 +218,60 @@ def array_records(files: list[str], key: str) -> Documents:
     return Documents(name, lengths, read, hi)
 
 
+def _probe(lengths: np.ndarray, per_file: list[int], files: list[str], read) -> None:
+    """Reads the first and last record of every file (opening them checked their footers) and
+    compares their lengths with the index: a truncated or rewritten file fails here, before
+    anything compiles, at the cost of two records per file. A record damaged in the middle of a
+    file is found only when a batch reads it (docs/data.md)."""
+    bounds = np.cumsum([0] + per_file)
+    for path, lo, hi in zip(files, bounds[:-1], bounds[1:]):
+        probes = sorted({int(lo), int(hi) - 1}) if hi > lo else []
+        for index, ids in zip(probes, read(probes)):
+            if len(ids) != lengths[index]:
+                raise DataError(f"{path}: record {index - lo} has {len(ids)} tokens, but its index says "
+                                f"{lengths[index]}; re-run `python -m nvfp4_jax.data prepare ... --overwrite`.")
+
+
 def write_index(path: str, lengths: np.ndarray, max_id: int) -> None:
     """`prepare`'s record of an ArrayRecord file's document lengths and largest id."""
     with open(path + INDEX_SUFFIX, "wb") as f:
         np.savez(f, lengths=np.asarray(lengths, np.int64), max_id=np.int64(max_id))
 
 
-def read_indexes(files: list[str], count: int) -> tuple[np.ndarray, int] | None:
-    """(lengths, max id) of `files` from their `prepare` indexes; None when one is missing or
+def read_indexes(files: list[str], count: int) -> tuple[np.ndarray, int, list[int]] | None:
+    """(lengths, max id, records per file) of `files` from their `prepare` indexes; None when one is missing or
     they do not add up to the files' `count` records (then the records themselves are read)."""
     parts, max_id = [], -1
     for path in files:
         if not os.path.isfile(path + INDEX_SUFFIX):
             return None
-        with np.load(path + INDEX_SUFFIX) as index:
-            parts.append(index["lengths"])
-            max_id = max(max_id, int(index["max_id"]))
+        lengths, most = _read_index(path + INDEX_SUFFIX)
+        parts.append(lengths)
+        max_id = max(max_id, most)
     lengths = np.concatenate(parts)
-    return (lengths, max_id) if len(lengths) == count else None
+    return (lengths, max_id, [len(p) for p in parts]) if len(lengths) == count else None
+
+
+def _read_index(path: str) -> tuple[np.ndarray, int]:
+    """(lengths, max id) of one index file; DataError when it is damaged."""
+    try:
+        with np.load(path, allow_pickle=False) as index:
+            lengths, max_id = np.asarray(index["lengths"]), int(index["max_id"])
+        if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
+            raise ValueError(f"its lengths are {lengths.dtype}{list(lengths.shape)}, not document lengths")
+    except Exception as exc:  # BadZipFile, EOFError, KeyError, ValueError, OSError, ...
+        raise DataError(f"{path} is damaged ({type(exc).__name__}: {one_line(exc, 200)}); re-run "
+                        "`python -m nvfp4_jax.data prepare ... --overwrite` to write it again (or delete it: "
+                        "the records are then read once at start-up).") from None
+    return lengths.astype(np.int64), max_id
 
 
 def read_meta(directory: str) -> dict | None:
     path = os.path.join(directory, META_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path, "the manifest of `prepare`", "re-run `python -m nvfp4_jax.data prepare "
+                            "... --overwrite` to write it again (or delete it)")
 
 
 def parquet_texts(files: list[str], column: str) -> list[str]:
@@ -247,6 +310,9 @@ def hf_texts(hf_path: str, files: list[str], column: str) -> list[str]:
             raise DataError(f"hf_train_files: cannot tell the format of {sorted(suffixes)}; use one of "
                             f"{', '.join(_HF_BUILDERS)} or set hf_path=json|parquet|arrow.")
         builder = _HF_BUILDERS[next(iter(suffixes))]
+    if builder == "json":  # datasets' JSON reader passes invalid UTF-8 on to a crash at .to_pylist()
+        for path in files:
+            check_utf8_file(path)
     try:
         ds = datasets.load_dataset(builder, data_files=files or None, split="train")
     except Exception as exc:  # datasets raises many types for unreadable files
@@ -258,4 +324,8 @@ def hf_texts(hf_path: str, files: list[str], column: str) -> list[str]:
 def _hf_column(ds, column: str, where: str) -> list[str]:
     if column not in ds.column_names:
         raise _missing_column(column, ds.column_names, where)
-    return _column(ds[column], column, where)
+    try:  # datasets may decode the column lazily, while _column walks it
+        return _column(ds[column], column, where)
+    except UnicodeDecodeError as exc:  # a string column of Parquet or Arrow files holding other bytes
+        raise DataError(f"{where}: a value of column {column!r} is not UTF-8 (byte {exc.start:,} of it starts "
+                        f"{exc.object[exc.start:exc.start + 4]!r}); text input must be UTF-8.") from None

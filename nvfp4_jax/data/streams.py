@@ -31,7 +31,7 @@ import numpy as np
 
 from nvfp4_jax.config import DataConfig
 from nvfp4_jax.data.documents import make_document_batches
-from nvfp4_jax.data.errors import DataError
+from nvfp4_jax.data.errors import DataError, check_utf8_file
 from nvfp4_jax.data.packing import process_rows
 
 BYTE_VOCAB_SIZE = 256
@@ -201,6 +201,7 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         name, tokens = "bundled shakespeare", np.frombuffer(shakespeare_bytes(), dtype=np.uint8)
     elif kind == "text":
         name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, np.dtype(np.uint8), kind)
+        check_utf8_file(os.path.expanduser(data_cfg.dataset_path))  # text is UTF-8, as for `prepare`
     elif kind == "tokens":
         dtype = np.dtype(data_cfg.token_dtype)
         name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, dtype, kind)

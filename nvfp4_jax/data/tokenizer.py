@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import os
 from typing import Callable, Sequence
 
 import numpy as np
 
 from nvfp4_jax.config import TOKENIZER_TYPES
-from nvfp4_jax.data.errors import DataError, require
+from nvfp4_jax.data.errors import DataError, read_json_object, require
 
 BYTE_BOS, BYTE_EOS = 256, 257
 # Llama 3's pre-tokenizer pattern (the split applied before BPE merges).
@@ -79,9 +78,13 @@ def _bytes_tokenizer() -> Tokenizer:
     return Tokenizer("bytes", "", 258, BYTE_BOS, BYTE_EOS, encode, decode)
 
 
-def _special_token(config: dict, key: str):
+def _special_token(config: dict, key: str, where: str) -> str | None:
     value = config.get(key)
-    return value.get("content") if isinstance(value, dict) else value
+    value = value.get("content") if isinstance(value, dict) else value
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"the tokenizer config {where}: {key} is a {type(value).__name__}, not a token "
+                        "string; fix it or remove it.")
+    return value
 
 
 def _huggingface(path: str) -> Tokenizer:
@@ -94,11 +97,11 @@ def _huggingface(path: str) -> Tokenizer:
     config_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     config = {}
     if os.path.isfile(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
+        config = read_json_object(config_path, "the tokenizer config", "fix it or remove it (BOS/EOS are "
+                                  "then found by their usual names)")
 
     def find(key: str, names: tuple[str, ...]) -> int | None:
-        named = _special_token(config, key)
+        named = _special_token(config, key, config_path)
         for name in ([named] if named else []) + list(names):
             token_id = tok.token_to_id(name)
             if token_id is not None:

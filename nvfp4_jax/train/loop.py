@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from nvfp4_jax.config import Config, ConfigError, to_dict
+from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import assembly, checkpoint, distributed, hooks as hooks_lib, integrity, metrics as metrics_lib
 from nvfp4_jax.train import params_checkpoint as params_lib, resume, run_dir as run_dir_lib, shutdown, tensorboard
@@ -254,6 +255,10 @@ class _Segment:
             except run_dir_lib.WriteError as exc:
                 raise run_dir_lib.WriteError(f"{exc}. {self._last_good_text()} Free some space (or fix the "
                                              "permissions) and rerun the same command to resume.") from exc
+            except DataError as exc:  # a record damaged mid-file, found when a batch reads it
+                raise DataError(f"{exc} {self._last_good_text()} Fix the data (re-run `python -m "
+                                "nvfp4_jax.data prepare ... --overwrite`) and rerun the same command to "
+                                "resume.") from exc
         except BaseException:
             # The error is what the user must see: a manager that fails to close after a failed
             # save or restore must not add its own traceback (orbax's event loop) after it.

@@ -228,7 +228,8 @@ def test_prepared_files_are_planned_from_their_index_without_reading_records(tmp
     real = data.sources._read_records
     monkeypatch.setattr(data.sources, "_read_records", lambda src, idx, where: (reads.append(len(idx)), real(src, idx, where))[1])
     ds = _make(cfg, seq_len=16, batch=2)
-    assert reads == []  # lengths and largest id came from the index
+    assert reads == [2]  # lengths and largest id came from the index; the probe read 2 records
+    reads.clear()
     ds.batch(0)
     assert 0 < sum(reads) <= 2 * 2  # the documents of two rows of 16 pairs: at most two each
     np.testing.assert_array_equal(ds.docs.lengths, [len(t.encode()) + 2 for t in corpora.TEXTS[:len(ds.docs)]])
@@ -239,13 +240,18 @@ def test_prepared_files_are_planned_from_their_index_without_reading_records(tmp
     reads.clear()
     fresh = _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.2), seq_len=16, batch=2)
     assert sum(reads) == len(corpora.TEXTS) and fresh.docs.max_id == EOS  # the scan's own answer
-    # An index whose lengths disagree with the records is caught when a row is built.
+    # An index whose lengths disagree with the records: at the first or last record of the file
+    # at start-up (the probe), elsewhere when a row is built.
     lengths = np.load(tmp_path / "saved.npz")["lengths"]
-    lengths[:] = lengths + 1
+    data.sources.write_index(record, lengths + 1, 255)
+    with pytest.raises(data.DataError, match=r"record 0 has \d+ tokens, but its index says \d+; re-run"):
+        _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.3), seq_len=16, batch=2)
+    lengths[1:-1] += 1
     data.sources.write_index(record, lengths, 255)
-    stale = _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.3), seq_len=16, batch=2)
+    stale = _make(DataConfig(dataset_type="grain", grain_train_files=record, eval_fraction=0.4), seq_len=16, batch=2)
     with pytest.raises(data.DataError, match=r"has \d+ tokens, but its index says \d+; prepare it again"):
-        stale.batch(0)
+        for step in range(stale.rows_in_epoch() // 2 + 1):  # every row of the epoch
+            stale.batch(step)
 
 
 def test_hf_path_alone_reads_a_local_dataset_folder(tmp_path):
