@@ -138,6 +138,9 @@ class DataConfig:
     add_eos: bool = True
     # Several documents per row with segment ids and positions (MaxText's default), or one per row.
     packing: bool = True
+    # A resume compares the data and tokenizer files with the fingerprint its checkpoint recorded
+    # (nvfp4_jax/data/fingerprint.py) and stops when they changed; true resumes anyway, with a note.
+    allow_data_change: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

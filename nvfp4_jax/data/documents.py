@@ -143,21 +143,28 @@ def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
-def _files_keys(data_cfg: DataConfig) -> tuple[str, str, str, str]:
+def files_keys(data_cfg: DataConfig) -> tuple[str, str, str, str]:
+    """(train key, its patterns, eval key, its patterns) of a `grain` or `hf` config."""
     if data_cfg.dataset_type == "grain":
         return "grain_train_files", data_cfg.grain_train_files, "grain_eval_files", data_cfg.grain_eval_files
     return "hf_train_files", data_cfg.hf_train_files, "hf_eval_files", data_cfg.hf_eval_files
 
 
+def source_files(data_cfg: DataConfig, key: str, patterns: str) -> list[str]:
+    """The files the loader reads for `patterns` (of config key `key`); none for `hf_path` alone,
+    which names a local dataset folder (`datasets` reads it)."""
+    if data_cfg.dataset_type == "hf" and not patterns and data_cfg.hf_path:
+        return []
+    return sources.expand(patterns, key)
+
+
 @functools.lru_cache(maxsize=4)
 def _documents(data_cfg: DataConfig, key: str, patterns: str) -> sources.Documents:
     """Every document of the files `patterns` names (cached: train and eval share a read)."""
+    files = source_files(data_cfg, key, patterns)
     if data_cfg.dataset_type == "hf":
-        # hf_path alone may name a local dataset folder; files, when given, are globs.
-        files = sources.expand(patterns, key) if patterns or not data_cfg.hf_path else []
         texts = sources.hf_texts(data_cfg.hf_path, files, data_cfg.train_data_columns)
     else:
-        files = sources.expand(patterns, key)
         suffixes = {f.endswith(sources.ARRAY_RECORD) for f in files}
         if suffixes == {True}:
             return sources.array_records(files, key)
@@ -194,7 +201,7 @@ def make_document_batches(data_cfg: DataConfig, *, seq_len: int, global_batch_si
     """The batches of `split` of a `grain` or `hf` corpus. Without eval files, the last
     `eval_fraction` of the train files' documents (at least one) is the eval split."""
     check_vocab(load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_path), vocab_size)
-    train_key, train_files, eval_key, eval_files = _files_keys(data_cfg)
+    train_key, train_files, eval_key, eval_files = files_keys(data_cfg)
     key, patterns = (eval_key, eval_files) if split == "eval" and eval_files else (train_key, train_files)
     docs = _documents(data_cfg, key, patterns)
     if not eval_files:

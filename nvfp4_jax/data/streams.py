@@ -35,6 +35,8 @@ from nvfp4_jax.data.errors import DataError, check_utf8_file
 from nvfp4_jax.data.packing import process_rows
 
 BYTE_VOCAB_SIZE = 256
+# The bundled corpus, inside the package.
+SHAKESPEARE_FILE = "nvfp4_jax/assets/shakespeare.txt.xz"
 SPLITS = {"train": 0, "eval": 1}
 # Tokens per chunk when scanning a memory-mapped file for its largest id.
 _SCAN_CHUNK = 1 << 24
@@ -59,10 +61,14 @@ def eval_boundary(total: int, eval_fraction: float) -> int:
     return total - int(total * eval_fraction)
 
 
+def shakespeare_resource():
+    """The bundled corpus's file (xz-compressed UTF-8), as an importlib resource."""
+    return importlib.resources.files("nvfp4_jax").joinpath(*SHAKESPEARE_FILE.split("/")[1:])
+
+
 def shakespeare_bytes() -> bytes:
     """The bundled corpus, uncompressed (UTF-8)."""
-    resource = importlib.resources.files("nvfp4_jax").joinpath("assets", "shakespeare.txt.xz")
-    return lzma.decompress(resource.read_bytes())
+    return lzma.decompress(shakespeare_resource().read_bytes())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -87,14 +87,32 @@ def _special_token(config: dict, key: str, where: str) -> str | None:
     return value
 
 
+def _huggingface_paths(path: str) -> tuple[str, str]:
+    """(the tokenizer.json, the tokenizer_config.json that may lie beside it) of `tokenizer_path`
+    `path`, a tokenizer.json or its folder."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    return file, os.path.join(os.path.dirname(file), "tokenizer_config.json")
+
+
+def tokenizer_files(tokenizer_type: str, tokenizer_path: str) -> list[str]:
+    """The files `load_tokenizer` reads: none for `bytes`; for `huggingface` the tokenizer.json
+    and the tokenizer_config.json beside it when there is one; else the one file."""
+    if tokenizer_type == "bytes":
+        return []
+    path = os.path.expanduser(tokenizer_path)
+    if tokenizer_type != "huggingface":
+        return [path]
+    file, config_path = _huggingface_paths(path)
+    return [file] + ([config_path] if os.path.isfile(config_path) else [])
+
+
 def _huggingface(path: str) -> Tokenizer:
     lib = require("tokenizers", "tokenizer_type='huggingface'")
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    file, config_path = _huggingface_paths(path)
     try:
         tok = lib.Tokenizer.from_file(file)
     except Exception as exc:  # the library raises a bare Exception for malformed JSON
         raise DataError(f"tokenizer_path={file!r} is not a tokenizers JSON file ({exc}).") from None
-    config_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     config = {}
     if os.path.isfile(config_path):
         config = read_json_object(config_path, "the tokenizer config", "fix it or remove it (BOS/EOS are "

@@ -11,8 +11,9 @@ Each start of a run is a *segment*:
 2. The run directory is created and locked (`run_dir`): one process per run.
 3. The newest intact checkpoint is restored onto the abstract sharded state (no fresh state is
    built first), after its stored config has been compared with this one (`resume`): only
-   `resume.RESUME_MUTABLE_KEYS` may differ. A damaged checkpoint is set aside and the next newest
-   one tried (`checkpoint_fallback`). A fresh state is initialised only when there is nothing to
+   `resume.RESUME_MUTABLE_KEYS` may differ, and its data fingerprint with the data and tokenizer
+   files now (`data.fingerprint`; unless allow_data_change). A damaged checkpoint is set aside
+   and the next newest one tried (`checkpoint_fallback`). A fresh state is initialised only when there is nothing to
    restore.
 4. `config.json` is written, `metrics.jsonl` opened for this segment, and training runs.
 5. SIGTERM or SIGINT (`shutdown`) finishes the current step, saves it, and ends the segment with
@@ -30,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from nvfp4_jax.config import Config, ConfigError, to_dict
+from nvfp4_jax.data import fingerprint as fingerprint_lib
 from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import assembly, checkpoint, distributed, hooks as hooks_lib, integrity, metrics as metrics_lib
@@ -119,6 +121,7 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
         params_lib.check_load_path(cfg.train.load_parameters_path, cfg.model)
     console = _Console(jax.process_index() == 0)
     datasets = {split: assembled.dataset(split) for split in ("train", "eval")}
+    data_fingerprint = fingerprint_lib.fingerprint(cfg.data)  # what the files are now (resume.check_data)
     console.info(f"data: {datasets['train'].describe()}; {datasets['eval'].describe()}")
     for line in assembled.startup.lines():
         console.info(line)
@@ -135,18 +138,20 @@ def run(cfg: Config, *, progress: bool | None = None, devices=None) -> dict[str,
                               "Move it away (or start a new run: run_name=<a new name>).")
     lock = run_dir_lib.lock(run_dir, warn=console.warn) if console.is_lead else contextlib.nullcontext()
     with lock, shutdown.StopRequest(announce=console.warn) as stop:
-        return _Segment(assembled, run_dir, datasets, console, stop, progress).run()
+        return _Segment(assembled, run_dir, datasets, data_fingerprint, console, stop, progress).run()
 
 
 class _Segment:
     """One start of a run, from restore (or init) to the summary."""
 
-    def __init__(self, assembled: assembly.Run, run_dir: str, datasets, console: _Console,
-                 stop: shutdown.StopRequest, progress: bool | None):
+    def __init__(self, assembled: assembly.Run, run_dir: str, datasets, data_fingerprint: dict[str, Any],
+                 console: _Console, stop: shutdown.StopRequest, progress: bool | None):
         self.run_parts, self.cfg, self.mesh = assembled, assembled.cfg, assembled.mesh
         self.run_dir, self.console, self.stop = run_dir, console, stop
         self.progress = progress
         self.train_data, self.eval_data = datasets["train"], datasets["eval"]
+        self.data_fingerprint = data_fingerprint
+        self.data_notes: dict[int, str | None] = {}  # per checked checkpoint step: what check_data said
         self.global_batch = assembled.global_batch
         self.backend = assembled.startup.backend
         self.manager = None
@@ -157,6 +162,8 @@ class _Segment:
     def _check_resume(self, step: int, record: dict[str, Any]) -> None:
         resume.check_record(step, record, cfg=self.cfg, run_dir=self.run_dir, backend=self.backend,
                             global_batch=self.global_batch)
+        self.data_notes[step] = resume.check_data(step, record, self.data_fingerprint, run_dir=self.run_dir,
+                                                  allow_change=self.cfg.data.allow_data_change)
 
     def _restore_or_init(self):
         t = self.cfg.train
@@ -183,6 +190,8 @@ class _Segment:
         how = "verified" if restored.verified else "UNVERIFIED: saved without checksums by an older version"
         self.console.info(f"Resumed from checkpoint step {restored.step} in {ckpt_dir} ({how}; data "
                           f"position: step {restored.record.get('data_step')}).")
+        if self.data_notes.get(restored.step):
+            self.console.info(self.data_notes[restored.step])
         # What start-up decided differently this time (a resume may move to other devices).
         for decision, old, new in self.run_parts.startup.changes_from(restored.record.get("startup")):
             self.console.info(f"note: start-up decision {decision} was {old!r} at step {restored.step}, "
@@ -223,7 +232,7 @@ class _Segment:
     def _save(self, step: int, state) -> None:
         record = {"step": step, "data_step": step, "config": to_dict(self.cfg),
                   "global_batch_size": self.global_batch, "quantization_backend": self.backend.name,
-                  "startup": self.run_parts.startup.record()}
+                  "startup": self.run_parts.startup.record(), "data_fingerprint": self.data_fingerprint}
         try:
             checkpoint.save(self.manager, state, record, max_to_keep=self.cfg.train.max_checkpoints_to_keep)
         except checkpoint.CheckpointError as exc:

@@ -3,9 +3,11 @@
 A rerun of the same command continues the run in its directory. Its config is compared with the
 config stored in the newest checkpoint (`config_differences`, the one comparison in the code
 base; the lab uses it too, ignoring only where a run lives): only `RESUME_MUTABLE_KEYS` may
-differ, and the global batch must stay as it was. What the segment then does is `next_action`:
-train the remaining steps, or, when the checkpoint is already at the last step, run the final
-evaluation that a stop during the last step (or during that evaluation) left undone.
+differ, and the global batch must stay as it was. The data and tokenizer files must be those
+whose fingerprint the checkpoint records (`check_data`; allow_data_change=true resumes anyway,
+with a note). What the segment then does is `next_action`: train the remaining steps, or, when
+the checkpoint is already at the last step, run the final evaluation that a stop during the
+last step (or during that evaluation) left undone.
 
 Nothing here imports jax at module level: the lab compares configs without it.
 """
@@ -16,6 +18,7 @@ import os
 from typing import Any, Collection, Mapping
 
 from nvfp4_jax.config import Config, ConfigError, ModelConfig, to_dict
+from nvfp4_jax.data import fingerprint
 
 # Keys a resumed run may change: they steer logging, checkpointing, profiling, where the run
 # lives and how it is laid out on devices, not what it computes (the global batch is checked
@@ -42,6 +45,9 @@ RESUME_MUTABLE_KEYS = (
     "load_parameters_path", "enable_tensorboard",
     # Threads that tokenize a document corpus at start-up; the batches do not depend on them.
     "grain_worker_count",
+    # Whether a resume may continue on data files or a tokenizer that changed (never what the
+    # files are: their fingerprint is compared by `check_data`).
+    "allow_data_change",
 )
 
 # Where a run is, not what it is.
@@ -99,6 +105,30 @@ def check_record(step: int, record: dict[str, Any], *, cfg: Config, run_dir: str
             "may change on resume. To train with these settings, start a new run: "
             "run_name=<a new name>."
         )
+
+
+def check_data(step: int, record: dict[str, Any], current: dict[str, Any], *, allow_change: bool,
+               run_dir: str) -> str | None:
+    """The data guard: ResumeError when the data or tokenizer files differ from the fingerprint
+    checkpoint `step` of `run_dir` recorded (`record["data_fingerprint"]`) and `allow_change`
+    (allow_data_change) is off. Returns the note a resume prints instead, or None: with
+    `allow_change`, or for a checkpoint that recorded no fingerprint (an older version)."""
+    recorded = record.get("data_fingerprint")
+    if not isinstance(recorded, dict) or recorded.get("format") != fingerprint.FORMAT:
+        how = "no data fingerprint" if recorded is None else "a data fingerprint of another format"
+        return (f"note: checkpoint step {step} records {how} (an older version wrote it), so this resume "
+                "cannot check that its data and tokenizer files are unchanged; the checkpoints it "
+                "saves record them.")
+    diffs = fingerprint.compare(recorded, current)
+    if allow_change:
+        what = f"on changed data: {'; '.join(diffs)}" if diffs else "(the data and tokenizer are unchanged)"
+        return f"note: allow_data_change=true: resuming checkpoint step {step} without the data check {what}."
+    if diffs:
+        raise ResumeError(
+            f"{run_dir} holds checkpoint step {step}, trained on other data than this run would read: "
+            f"{'; '.join(diffs)}. Put the data back, start a new run (run_name=<a new name>), or "
+            "resume on the changed data with allow_data_change=true.")
+    return None
 
 
 def has_checkpoints(directory: str) -> bool:
