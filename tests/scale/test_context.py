@@ -353,17 +353,14 @@ def test_the_readme_16k_context_parallel_command_trains(tmp_path):
 
 @pytest.mark.slow
 def test_a_ulysses_train_step_exchanges_by_all_to_all_and_never_gathers_full_sequence_activations():
-    from nvfp4_jax.train.build import build_model, init_state, jit_train_step
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly
 
     cfg = _cfg("ici_fsdp_parallelism=1", "ici_context_parallelism=8", "per_device_batch_size=0.125",
                "max_target_length=256", "context_parallel_strategy=ulysses", "quantization=te_nvfp4")
-    mesh = sharding.make_mesh(cfg.mesh)
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    state, state_sh = init_state(model, optimizer, 256, mesh, seed=0)
-    tokens = jax.device_put(jnp.zeros((1, 256), jnp.int32), sharding.batch_sharding(mesh))
-    hlo = jit_train_step(model, optimizer, mesh, state_sh).lower(
-        state, {"inputs": tokens, "targets": tokens}).compile().as_text()
+    run = assembly.assemble(cfg)  # all 8 devices
+    state = run.init_state(seed=0)
+    tokens = jax.device_put(jnp.zeros((1, 256), jnp.int32), run.batch_sharding)
+    hlo = run.train_step.lower(state, {"inputs": tokens, "targets": tokens}).compile().as_text()
     exchanged = [shapes for shapes in _collectives(hlo, "all-to-all")
                  if all(len(s) == 4 and s[1] == 256 // 8 and s[-1] == 16 for s in shapes)]
     assert len(exchanged) >= 8, exchanged  # q, k, v, out forward; their gradients backward

@@ -185,17 +185,14 @@ def _collectives(hlo: str, op: str) -> list[tuple[str, list[tuple[int, ...]]]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", ["true", "false"])
 def test_fsdp_step_gathers_weights_and_never_the_embedding_table(scan_layers):
-    from nvfp4_jax.train.build import build_model, init_state, jit_train_step
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly
 
     cfg = load_config(TINY[:3] + ["quantization=te_nvfp4", "ici_fsdp_parallelism=8",
                                   f"scan_layers={scan_layers}"])
-    mesh = sharding.make_mesh(cfg.mesh)
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    state, state_sh = init_state(model, optimizer, 64, mesh, seed=0)
-    tokens = jax.device_put(jnp.zeros((8, 64), jnp.int32), sharding.batch_sharding(mesh))
-    hlo = jit_train_step(model, optimizer, mesh, state_sh).lower(
-        state, {"inputs": tokens, "targets": tokens}).compile().as_text()
+    run = assembly.assemble(cfg)  # all 8 devices
+    state = run.init_state(seed=0)
+    tokens = jax.device_put(jnp.zeros((8, 64), jnp.int32), run.batch_sharding)
+    hlo = run.train_step.lower(state, {"inputs": tokens, "targets": tokens}).compile().as_text()
     table = state.params["token_embedder"]["embedding"].shape
     weights = {p.shape for p in jax.tree.leaves(state.params)} - {table}
     # A scan gathers one layer's slice of a stacked [layers, ...] weight at a time.
