@@ -2,7 +2,7 @@
 
     python benchmarks/bench_attention_memory.py [--lengths 1024,2048,4096,8192,16384] [--out PATH]
 
-For each length and kernel, the package's own train step (`build_model`, `jit_train_step` with
+For each length and kernel, the package's own train step (`assembly.assemble(cfg).train_step`, with
 the state's shardings and donated state) of the tiny model (4 layers, d_model 128, 4 query and
 2 KV heads of 32, batch 1, bf16 compute, no remat) is lowered on abstract inputs and compiled;
 nothing is allocated or run. XLA's `memory_analysis()` of the executable gives the bytes of its
@@ -24,10 +24,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import jax  # noqa: E402
 
 from _report import environment, write_json  # noqa: E402
-from nvfp4_jax import sharding  # noqa: E402
 from nvfp4_jax.config import MeshConfig, make_config, to_dict  # noqa: E402
-from nvfp4_jax.train.build import build_model, jit_train_step, state_shardings  # noqa: E402
-from nvfp4_jax.train.optimizer import make_optimizer  # noqa: E402
+from nvfp4_jax.train import assembly  # noqa: E402
 
 OUT = HERE / "results" / "attention_memory.json"
 BASE = dict(model_name="tiny", per_device_batch_size=1, remat_policy="none", dataset_type="synthetic")
@@ -37,15 +35,10 @@ MiB = 2**20
 def measure(seq_len: int, kernel: str, chunk: int) -> dict:
     cfg = make_config({**BASE, "max_target_length": seq_len, "attention": kernel,
                        "attention_chunk_size": chunk})
-    mesh = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=1), devices=jax.devices()[:1])
-    model = build_model(cfg.model)
-    optimizer = make_optimizer(cfg.train)
-    abstract_state, state_sh = state_shardings(model, optimizer, seq_len, mesh)
-    batch_sh = sharding.batch_sharding(mesh)
-    tokens = jax.ShapeDtypeStruct((cfg.train.per_device_batch_size, seq_len), "int32", sharding=batch_sh)
-    step = jit_train_step(model, optimizer, mesh, state_sh)
+    run = assembly.assemble(cfg, jax.devices()[:1], mesh_config=MeshConfig(ici_fsdp_parallelism=1))
+    tokens = jax.ShapeDtypeStruct((run.global_batch, seq_len), "int32", sharding=run.batch_sharding)
     t0 = time.perf_counter()
-    compiled = step.lower(abstract_state, {"inputs": tokens, "targets": tokens}).compile()
+    compiled = run.train_step.lower(run.abstract_state, {"inputs": tokens, "targets": tokens}).compile()
     mem = compiled.memory_analysis()
     return dict(seq_len=seq_len, kernel=kernel, compile_s=round(time.perf_counter() - t0, 1),
                 temp_mib=round(mem.temp_size_in_bytes / MiB, 2),

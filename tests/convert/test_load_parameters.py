@@ -10,13 +10,10 @@ from safetensors.numpy import load_file
 
 from _hf_files import HF_CONFIG
 from nvfp4_jax.config import load_config
-from nvfp4_jax.train import params_checkpoint as params_lib
+from nvfp4_jax.train import assembly, params_checkpoint as params_lib
 from nvfp4_jax.convert.__main__ import main
 from nvfp4_jax.convert.checkpoints import from_hf
 from nvfp4_jax.convert.hf import model_keys_from_hf
-from nvfp4_jax.sharding import make_mesh
-from nvfp4_jax.train.build import build_model, init_state
-from nvfp4_jax.train.optimizer import make_optimizer
 
 
 def _run_args(tmp_path, ours):
@@ -32,9 +29,8 @@ def test_loaded_parameters_replace_the_initial_ones_shard_by_shard(tmp_path, hf_
     ours = str(tmp_path / "ours")
     from_hf(path, ours, {"scan_layers": "true"})
     cfg = load_config(_run_args(tmp_path, ours))
-    mesh = make_mesh(cfg.mesh)  # all 8 test devices, FSDP
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    state, state_sh = init_state(model, optimizer, cfg.model.max_target_length, mesh, seed=0)
+    parts = assembly.assemble(cfg)  # all 8 test devices, FSDP
+    state, state_sh = parts.init_state(seed=0), parts.state_shardings
     loaded = params_lib.load_into(ours, state, state_sh)
     embedding = loaded.params["token_embedder"]["embedding"]
     assert embedding.sharding == state_sh.params["token_embedder"]["embedding"]

@@ -91,9 +91,7 @@ def test_load_parameters_path_refuses_a_changed_array_in_one_line(tmp_path, ours
     import shutil
 
     from nvfp4_jax.config import ConfigError, load_config
-    from nvfp4_jax.sharding import make_mesh
-    from nvfp4_jax.train.build import build_model, init_state
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly
 
     from test_load_parameters import _run_args
 
@@ -102,8 +100,8 @@ def test_load_parameters_path_refuses_a_changed_array_in_one_line(tmp_path, ours
     shutil.rmtree(os.path.join(ours, "params", ".".join(LEAF)))
     params_lib.write_leaf(ours, LEAF, array)
     cfg = load_config(_run_args(tmp_path, ours))
-    state, state_sh = init_state(build_model(cfg.model), make_optimizer(cfg.train), cfg.model.max_target_length,
-                                 make_mesh(cfg.mesh), seed=0)
+    parts = assembly.assemble(cfg)
+    state, state_sh = parts.init_state(seed=0), parts.state_shardings
     with pytest.raises(ConfigError, match="checksum mismatch in array layers.mlp.up.kernel") as err:
         params_lib.load_into(ours, state, state_sh)
     assert "\n" not in str(err.value)

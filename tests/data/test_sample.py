@@ -124,11 +124,7 @@ def test_sample_user_errors_are_one_line_exit_2(tmp_path, capsys, setup, args, m
 # A damaged checkpoint leaves orbax read coroutines behind; they are reported, not raised.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_newest_checkpoint_is_named_in_one_warning_with_the_one_used(tmp_path, capsys):
-    from nvfp4_jax import sharding
-    from nvfp4_jax.config import MeshConfig
-    from nvfp4_jax.train import checkpoint
-    from nvfp4_jax.train.build import init_state
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly, checkpoint
 
     cfg = make_config({"model_name": "tiny", "base_num_decoder_layers": 1, "max_target_length": 16,
                        "base_emb_dim": 32, "base_mlp_dim": 64, "base_num_query_heads": 2,
@@ -136,9 +132,7 @@ def test_a_damaged_newest_checkpoint_is_named_in_one_warning_with_the_one_used(t
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     save_json(cfg, str(run / "config.json"))
-    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-    state, _ = init_state(build_model(cfg.model, quantized=True), make_optimizer(cfg.train),
-                          cfg.model.max_target_length, mesh, seed=0)
+    state = assembly.assemble(cfg, jax.devices()[:1], check_batch=False).init_state(seed=0)
     manager = checkpoint.make_manager(str(run / "checkpoints"), max_to_keep=3)
     for step in (1, 2):
         checkpoint.save(manager, state.replace(step=jnp.asarray(step, jnp.int32)), {"step": step})

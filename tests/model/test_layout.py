@@ -21,9 +21,8 @@ from bitwise import assert_same_bits as _assert_trees_bitwise
 from nvfp4_jax.config import load_config
 from nvfp4_jax.model import Llama, layer_blocks
 from nvfp4_jax.quant import quant_rngs
-from nvfp4_jax.sharding import make_mesh
-from nvfp4_jax.train.build import build_model, init_state
-from nvfp4_jax.train.optimizer import make_optimizer
+from nvfp4_jax.train import assembly
+from nvfp4_jax.train.build import build_model
 from nvfp4_jax.train.step import _loss, make_train_step
 
 LAYERS = 3
@@ -115,8 +114,8 @@ def test_stochastic_rounding_keys_are_per_layer_per_projection_per_step_and_layo
 
 
 def _loss_and_grads(cfg):
-    model = build_model(cfg.model)
-    state, _ = init_state(model, make_optimizer(cfg.train), 32, make_mesh(cfg.mesh, jax.devices()[:1]), 0)
+    parts = assembly.assemble(cfg, jax.devices()[:1])
+    model, state = parts.model, parts.init_state(seed=0)
     grad = jax.value_and_grad(lambda p, m: _loss(model, p, m, BATCH, jax.random.PRNGKey(9))[0], argnums=(0, 1))
     loss, (grads, meta_next) = jax.jit(grad)(state.params, state.fp8_meta)
     return loss, grads, meta_next
@@ -140,9 +139,9 @@ def test_scanned_and_unrolled_give_bitwise_the_same_loss_and_gradients_in_fp32(r
 
 
 def _three_step_losses(cfg):
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    state, _ = init_state(model, optimizer, 32, make_mesh(cfg.mesh, jax.devices()[:1]), 0)
-    step = jax.jit(make_train_step(model, optimizer))
+    parts = assembly.assemble(cfg, jax.devices()[:1])
+    state = parts.init_state(seed=0)
+    step = jax.jit(make_train_step(parts.model, parts.optimizer))
     losses = []
     for _ in range(3):
         state, metrics = step(state, BATCH)

@@ -236,26 +236,19 @@ def test_bad_mesh_is_one_line_error_from_the_cli():
 # --- whole train steps: every mesh against fsdp=8 on the same global batch --------------------
 
 def _train_losses(extra, steps, *, stats=False):
-    from nvfp4_jax import data as data_lib
-    from nvfp4_jax.train.build import build_model, init_state, jit_quant_stats_step, jit_train_step
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly
 
-    cfg = _cfg("learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=1", *extra)
-    mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check_divisibility(cfg, mesh)
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    state, state_sh = init_state(model, optimizer, 64, mesh, seed=0)
-    train = data_lib.make_dataset(cfg.data, seq_len=64, global_batch_size=8, seed=0, split="train", vocab_size=256)
-    batches = [{k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in train.batch(i).items()}
-               for i in range(steps)]
+    run = assembly.assemble(_cfg("learning_rate=1e-2", "warmup_steps_fraction=0", "per_device_batch_size=1", *extra))
+    assert run.global_batch == 8
+    state, train = run.init_state(seed=0), run.dataset("train")
+    batches = [run.put(train.batch(i)) for i in range(steps)]
     health = None
     if stats:
         from nvfp4_jax.quant import health as health_lib
-        health = health_lib.flatten(jit_quant_stats_step(cfg.model, mesh, state_sh)(state, batches[0]))
-    step = jit_train_step(model, optimizer, mesh, state_sh)
+        health = health_lib.flatten(run.quant_stats_step(state, batches[0]))
     losses = []
     for batch in batches:
-        state, metrics = step(state, batch)
+        state, metrics = run.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     return losses, health
 

@@ -122,28 +122,22 @@ def test_loss_trajectory_is_the_same_on_1_2x4_and_8_devices(tmp_path):
 @pytest.mark.slow
 def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsharded(tmp_path):
     from nvfp4_jax import data as data_lib
-    from nvfp4_jax.train import checkpoint
-    from nvfp4_jax.train.build import build_model, init_state, jit_train_step, state_shardings
-    from nvfp4_jax.train.optimizer import make_optimizer
+    from nvfp4_jax.train import assembly, checkpoint
 
     cfg = load_config(["model_name=tiny", "base_num_decoder_layers=1", "max_target_length=64", "dtype=float32",
                        "quantization=te_fp8_delayedscaling", "learning_rate=1e-2", "warmup_steps_fraction=0",
                        "scan_layers=true"])
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
     train = data_lib.make_dataset(cfg.data, seq_len=64, global_batch_size=8, seed=0, split="train", vocab_size=256)
 
-    def train_steps(mesh, state, state_sh, steps):
-        step_fn = jit_train_step(model, optimizer, mesh, state_sh)
+    def train_steps(parts, state, steps):
         losses = []
         for i in steps:
-            batch = {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in train.batch(i).items()}
-            state, metrics = step_fn(state, batch)
+            state, metrics = parts.train_step(state, parts.put(train.batch(i)))
             losses.append(float(metrics["loss"]))
         return state, losses
 
-    mesh8 = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=8))
-    state, sh8 = init_state(model, optimizer, 64, mesh8, seed=0)
-    state, _ = train_steps(mesh8, state, sh8, [0, 1])
+    fsdp8 = assembly.assemble(cfg, mesh_config=MeshConfig(ici_fsdp_parallelism=8))
+    state, _ = train_steps(fsdp8, fsdp8.init_state(seed=0), [0, 1])
     # A trained state, not an initial one: a step count, moments and amax histories all moved.
     kernel = state.params["layers"]["mlp"]["gate"]["kernel"]  # [layers, D, F], D over fsdp (x context)
     assert int(state.step) == 2 and len(kernel.sharding.device_set) == 8
@@ -157,15 +151,15 @@ def test_a_trained_checkpoint_restores_onto_another_mesh_and_trains_on_like_unsh
     saved = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
 
     continued = {}
-    for name, mesh in [("2x4", sharding.make_mesh(MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=4))),
-                       ("1", sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=1), jax.devices()[:1]))]:
-        abstract, state_sh = state_shardings(model, optimizer, 64, mesh)
-        restored, _, verified = checkpoint.restore(manager, abstract)
+    for name, parts in [("2x4", assembly.assemble(cfg, mesh_config=MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=4))),
+                        ("1", assembly.assemble(cfg, jax.devices()[:1], mesh_config=MeshConfig(ici_fsdp_parallelism=1)))]:
+        mesh = parts.mesh
+        restored, _, verified = checkpoint.restore(manager, parts.abstract_state)
         assert verified
         assert restored.params["layers"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == dict(zip(sharding.MESH_AXES, mesh.devices.shape))
         for a, b in zip(saved, jax.tree.leaves(restored)):
             np.testing.assert_array_equal(a, np.asarray(b))
-        _, continued[name] = train_steps(mesh, restored, state_sh, [2, 3])
+        _, continued[name] = train_steps(parts, restored, [2, 3])
     # The first continued step starts from identical state bits on both meshes (fp32 compute),
     # its tokens' losses summed in another order; the second from updates summed across devices
     # in another order, which FP8 rounding amplifies: quantization-sized, far above fp32 noise.

@@ -11,10 +11,8 @@ from tolerance import error_statistic_rtol
 
 from nvfp4_jax.config import load_config
 from nvfp4_jax.quant import health
-from nvfp4_jax.sharding import make_mesh
-from nvfp4_jax.train.build import build_model, init_state, jit_quant_stats_step, state_shardings
+from nvfp4_jax.train import assembly
 from nvfp4_jax.train.loop import run
-from nvfp4_jax.train.optimizer import make_optimizer
 from nvfp4_jax.train.step import make_eval_step, make_train_step
 
 SMALL = ["model_name=tiny", "base_num_decoder_layers=2", "max_target_length=32", "ici_fsdp_parallelism=1"]
@@ -24,12 +22,10 @@ BATCH = {"inputs": jax.ShapeDtypeStruct((2, 32), jnp.int32), "targets": jax.Shap
 
 def _steps_jaxprs(*args):
     """The jaxprs of the train and eval steps the loop builds for this config."""
-    cfg = load_config(SMALL + list(args))
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    abstract, _ = state_shardings(model, optimizer, 32, make_mesh(cfg.mesh, ONE_DEVICE))
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
+    parts = assembly.assemble(load_config(SMALL + list(args)), ONE_DEVICE)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), parts.abstract_state)
     return [str(jax.make_jaxpr(step)(abstract, BATCH))
-            for step in (make_train_step(model, optimizer), make_eval_step(model))]
+            for step in (make_train_step(parts.model, parts.optimizer), make_eval_step(parts.model))]
 
 
 @pytest.fixture
@@ -51,23 +47,18 @@ def test_train_and_eval_steps_never_compute_statistics(flag, stats_code_raises):
     on = _steps_jaxprs(f"quantization={flag}", "quant_stats=true")
     assert off == on
     # The trap works: the statistics step does run them.
-    cfg = load_config(SMALL + [f"quantization={flag}"])
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    mesh = make_mesh(cfg.mesh, ONE_DEVICE)
-    abstract, state_sh = state_shardings(model, optimizer, 32, mesh)
+    parts = assembly.assemble(load_config(SMALL + [f"quantization={flag}"]), ONE_DEVICE)
     with pytest.raises(AssertionError, match="statistics were computed"):
-        jax.eval_shape(jit_quant_stats_step(cfg.model, mesh, state_sh), abstract, BATCH)
+        jax.eval_shape(parts.quant_stats_step, parts.abstract_state, BATCH)
 
 
 @pytest.mark.slow
 def test_stats_step_measures_each_quantized_projection_and_its_weight():
-    cfg = load_config(SMALL + ["quantization=te_nvfp4", "bf16_first_layers=1"])
-    model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-    mesh = make_mesh(cfg.mesh, ONE_DEVICE)
-    state, state_sh = init_state(model, optimizer, 32, mesh, seed=0)
+    parts = assembly.assemble(load_config(SMALL + ["quantization=te_nvfp4", "bf16_first_layers=1"]), ONE_DEVICE)
+    state = parts.init_state(seed=0)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 256)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    stats = health.flatten(jax.device_get(jit_quant_stats_step(cfg.model, mesh, state_sh)(state, batch)))
+    stats = health.flatten(jax.device_get(parts.quant_stats_step(state, batch)))
     # Layer 0 runs in BF16: only layer 1's three MLP projections are measured.
     assert sorted(stats) == [f"layers_1/mlp/{p}" for p in ("down", "gate", "up")]
     for proj, operands in stats.items():
@@ -110,11 +101,9 @@ def test_scanned_layers_give_each_layer_its_own_statistics():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     by_layout = {}
     for scan in (False, True):
-        cfg = load_config(SMALL + ["quantization=te_nvfp4", f"scan_layers={str(scan).lower()}"])
-        model, optimizer = build_model(cfg.model), make_optimizer(cfg.train)
-        mesh = make_mesh(cfg.mesh, ONE_DEVICE)
-        state, state_sh = init_state(model, optimizer, 32, mesh, seed=0)
-        by_layout[scan] = health.flatten(jax.device_get(jit_quant_stats_step(cfg.model, mesh, state_sh)(state, batch)))
+        parts = assembly.assemble(load_config(SMALL + ["quantization=te_nvfp4", f"scan_layers={str(scan).lower()}"]),
+                                  ONE_DEVICE)
+        by_layout[scan] = health.flatten(jax.device_get(parts.quant_stats_step(parts.init_state(seed=0), batch)))
     projections = ("down", "gate", "up")
     assert sorted(by_layout[True]) == sorted(f"layers/mlp/{p}[{i}]" for p in projections for i in (0, 1))
     for i in (0, 1):
