@@ -41,6 +41,9 @@ TOKENIZER_TYPES = ("bytes", "huggingface", "sentencepiece", "tiktoken")
 PROFILERS = ("", "xplane")
 # Which forward pass evaluates (TrainConfig.eval_quantization).
 EVAL_QUANTIZATIONS = ("train", "bf16", "both")
+# LoRA adapters (model/lora.py): the projections one can sit beside, and what a run trains.
+LORA_TARGETS = ("query", "key", "value", "out", "gate", "up", "down")
+TRAIN_PARAMS = ("auto", "all", "adapters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,12 @@ class ModelConfig:
     # The loss computes logits and their gradient for 1/num_vocab_tiling of the sequence at a
     # time (recomputed in the backward pass), never for the whole batch at once; 1: no tiling.
     num_vocab_tiling: int = 1
+    # --- LoRA adapters (nvfp4_jax/model/lora.py) ---
+    # Rank of a low-rank adapter beside each targeted projection (0: none), its scale numerator
+    # (the update is alpha / rank * x A B), and the targeted projections (LORA_TARGETS).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "query,key,value,out,gate,up,down"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +200,10 @@ class TrainConfig:
     # Step metrics as TensorBoard scalars in <run dir>/tensorboard/ (extra `tensorboard`;
     # without it a warning, and the run goes on).
     enable_tensorboard: bool = True
+    # What the optimizer trains (TRAIN_PARAMS): all parameters, or the LoRA adapters alone with
+    # the backbone frozen (no weight gradient, no optimizer state for it); auto: adapters when
+    # lora_rank > 0, else all.
+    train_params: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,6 +493,7 @@ def validate(cfg: Config) -> None:
            "bf16_first_layers", m.bf16_first_layers,
            f"bf16_first_layers + bf16_last_layers must be <= base_num_decoder_layers={m.base_num_decoder_layers}")
     _validate_layout_keys(m)
+    _validate_adapter_keys(m, t)
     block = _block_size(m.quantization)
     if block:  # K and N of every quantized GEMM are blocked axes of some operand
         for key in ("base_emb_dim", "base_mlp_dim"):
@@ -567,6 +581,18 @@ def _validate_layout_keys(m: ModelConfig) -> None:
     _check(m.num_vocab_tiling > 0 and m.max_target_length % m.num_vocab_tiling == 0,
            "num_vocab_tiling", m.num_vocab_tiling,
            f"must be a positive divisor of max_target_length={m.max_target_length}")
+
+
+def _validate_adapter_keys(m: ModelConfig, t: TrainConfig) -> None:
+    """The LoRA keys and what the run trains."""
+    _check(m.lora_rank >= 0, "lora_rank", m.lora_rank, "must be >= 0 (0: no adapters)")
+    _check(m.lora_alpha > 0, "lora_alpha", m.lora_alpha, "must be > 0")
+    targets = [name.strip() for name in m.lora_targets.split(",")]
+    _check(all(name in LORA_TARGETS for name in targets), "lora_targets", m.lora_targets,
+           f"a comma-separated list of {list(LORA_TARGETS)}")
+    _check(t.train_params in TRAIN_PARAMS, "train_params", t.train_params, f"choose one of {list(TRAIN_PARAMS)}")
+    _check(t.train_params != "adapters" or m.lora_rank > 0, "train_params", t.train_params,
+           "'adapters' needs lora_rank > 0 (the adapters to train)")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -17,6 +17,10 @@ decoder layers:
 
 The first term is 6 x (matmul parameters) x tokens. Divide by the device count for MaxText's
 per-device figure, and by step time for TFLOP/s/device.
+
+LoRA adapters (`lora_rank` r > 0) add `2 * T * r * (k + n)` a forward pass for each targeted
+[k, n] projection, trained (x3). A frozen backbone (`frozen_backbone=True`) computes no weight
+gradient of its kernels and LM head: those GEMMs count x2 (forward and input gradient), not x3.
 """
 
 from __future__ import annotations
@@ -31,11 +35,25 @@ def parameter_count(cfg: ModelConfig) -> int:
     attention = D * H * K + 2 * D * G * K + H * K * D
     mlp = 3 * D * F
     norms = 2 * D
-    return cfg.base_num_decoder_layers * (attention + mlp + norms) + 2 * cfg.vocab_size * D + D
+    adapters = sum(cfg.lora_rank * (k + n) for k, n in _adapted_shapes(cfg))
+    return cfg.base_num_decoder_layers * (attention + mlp + norms + adapters) + 2 * cfg.vocab_size * D + D
 
 
-def training_flops_per_step(cfg: ModelConfig, global_batch_size: int, seq_len: int) -> float:
-    """Model FLOPs of one training step (forward + backward) over the whole global batch."""
+def _adapted_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The [k, n] kernel shapes of one layer's projections that carry a LoRA adapter."""
+    if not cfg.lora_rank:
+        return []
+    D, F, K = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.head_dim
+    H, G = cfg.base_num_query_heads, cfg.base_num_kv_heads
+    shapes = {"query": (D, H * K), "key": (D, G * K), "value": (D, G * K), "out": (H * K, D),
+              "gate": (D, F), "up": (D, F), "down": (F, D)}
+    return [shapes[name.strip()] for name in cfg.lora_targets.split(",")]
+
+
+def training_flops_per_step(cfg: ModelConfig, global_batch_size: int, seq_len: int, *,
+                            frozen_backbone: bool = False) -> float:
+    """Model FLOPs of one training step (forward + backward) over the whole global batch
+    (`frozen_backbone`: only the LoRA adapters are trained)."""
     T = global_batch_size * seq_len
     D, F, K = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.head_dim
     H, G, N = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.base_num_decoder_layers
@@ -44,4 +62,6 @@ def training_flops_per_step(cfg: ModelConfig, global_batch_size: int, seq_len: i
     proj = 2 * T * H * K * D
     causal_attention = 4 * T * seq_len * H * K / 2
     lm_head = 2 * T * D * cfg.vocab_size
-    return float(3 * ((ffn + qkv + proj) * N + lm_head) + 3 * causal_attention * N)
+    adapters = sum(2 * T * cfg.lora_rank * (k + n) for k, n in _adapted_shapes(cfg))
+    weights = 2 if frozen_backbone else 3
+    return float(weights * ((ffn + qkv + proj) * N + lm_head) + 3 * (causal_attention + adapters) * N)

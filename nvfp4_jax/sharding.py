@@ -45,6 +45,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads_x_dim", "tensor"),
     ("norm", None),
     ("layers", None),
+    ("lora_rank", None),  # an adapter's rank: small, never split
     # Activations: split over the batch (FSDP gathers weights, never activations), along the
     # sequence over `context` (norms, residuals, MLP and loss run on sequence shards), and
     # their heads / MLP width over `tensor`.

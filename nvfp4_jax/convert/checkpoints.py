@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_jax.config import ConfigError, MeshConfig, ModelConfig, from_dict, make_config
+from nvfp4_jax.model import lora
 from nvfp4_jax.convert.hf import (
     EMBEDDING, IGNORED_SUFFIXES, LM_HEAD, ConvertError, Tensor, hf_config,
     model_keys_from_hf, param_shapes, tensors,
@@ -266,7 +267,13 @@ def _restore_run(src: str):
             state = restored.state
     finally:
         manager.close()
-    return cfg.model, state.params
+    adapter = lora.from_config(cfg.model)
+    if adapter is None:
+        return cfg.model, state.params
+    # Hugging Face's Llama has no adapters: each one is folded into its kernel, W + alpha/r A B.
+    print(f"note: merged the LoRA adapters (rank {adapter.rank}, on {cfg.model.lora_targets}) into their "
+          "kernels; the export is the adapted model without adapters.", file=sys.stderr)
+    return cfg.model, lora.merged(state.params, adapter)
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}

@@ -39,6 +39,7 @@ PARAM_AXES = {
     "kv_heads_x_dim": "key/value heads x head dim, G*K (K and V columns)",
     "norm": "RMSNorm scale, D",
     "layers": "decoder layer of a scanned block, N (the leading axis nn.scan adds)",
+    "lora_rank": "a LoRA adapter's rank, r (model/lora.py)",
 }
 
 # Logical axis names of activations; nvfp4_jax.sharding maps them (outside a mesh they are no-ops).
@@ -56,6 +57,12 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
 kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 
+def adapter_fields(adapter, projection: str) -> dict:
+    """`Dense`'s LoRA fields for the projection named `projection` under `adapter` (None: none)."""
+    rank = adapter.rank_for(projection) if adapter is not None else 0
+    return {"lora_rank": rank, "lora_scale": adapter.scale if rank else 0.0}
+
+
 class Dense(nn.Module):
     """`x[..., K] @ kernel[K, N]` through the given dot_general; kernel fp32, math in `dtype`."""
 
@@ -65,6 +72,9 @@ class Dense(nn.Module):
     dot_general_cls: DotGeneralFactory = None
     # Name of the output for remat policies (jax.ad_checkpoint.checkpoint_name); None: untagged.
     checkpoint_tag: Optional[str] = None
+    # A LoRA adapter beside the kernel (model/lora.py): its rank (0: none) and alpha / rank.
+    lora_rank: int = 0
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x_BxLxK: jax.Array) -> jax.Array:
@@ -83,10 +93,24 @@ class Dense(nn.Module):
         dims = (((x_BxLxK.ndim - 1,), (0,)), ((), ()))
         # Ask every dot for fp32 output (fp32 accumulation, rounded once to the output dtype);
         # on CPU a bf16-output dot is also about 2x slower.
-        y_BxLxN = dot_general(
-            x_BxLxK.astype(self.dtype), kernel_KxN, dims, preferred_element_type=jnp.float32,
-        ).astype(self.dtype)
+        y_BxLxN = dot_general(x_BxLxK.astype(self.dtype), kernel_KxN, dims, preferred_element_type=jnp.float32)
+        if self.lora_rank:
+            y_BxLxN = y_BxLxN + self.lora_scale * self._low_rank(x_BxLxK, dims)
+        y_BxLxN = y_BxLxN.astype(self.dtype)
         return checkpoint_name(y_BxLxN, self.checkpoint_tag) if self.checkpoint_tag else y_BxLxN
+
+
+    def _low_rank(self, x_BxLxK: jax.Array, dims) -> jax.Array:
+        """`(x A) B` in fp32: A [K, r] (the kernel's init), B [r, N] zeros, both fp32 masters
+        multiplied in the compute dtype by plain dots, whatever dot the kernel goes through."""
+        k_axis, n_axis = self.kernel_axes
+        a_KxR = self.param("lora_a", nn.with_logical_partitioning(kernel_init, (k_axis, "lora_rank")),
+                           (x_BxLxK.shape[-1], self.lora_rank), jnp.float32)
+        b_RxN = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", n_axis)),
+                           (self.lora_rank, self.features), jnp.float32)
+        xa_BxLxR = jax.lax.dot_general(x_BxLxK.astype(self.dtype), a_KxR.astype(self.dtype), dims,
+                                       preferred_element_type=jnp.float32).astype(self.dtype)
+        return jax.lax.dot_general(xa_BxLxR, b_RxN.astype(self.dtype), dims, preferred_element_type=jnp.float32)
 
 
 class Embed(nn.Module):
@@ -199,6 +223,8 @@ class Attention(nn.Module):
     context_strategy: str = "all_gather"
     # Queries and keys per block of the chunked kernel (attention_chunk_size).
     chunk_size: int = ModelConfig.attention_chunk_size
+    # LoRA adapters beside the projections it targets (model/lora.Adapter; None: none).
+    adapter: Any = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
@@ -208,7 +234,7 @@ class Attention(nn.Module):
 
         def dense(features, axes, name):
             return Dense(features, axes, self.dtype, self.dot_general_cls, name=name,
-                         checkpoint_tag=f"{name}_proj")
+                         checkpoint_tag=f"{name}_proj", **adapter_fields(self.adapter, name))
 
         q_BxLxHxK = dense(H * K, ("embed", "q_heads_x_dim"), "query")(x_BxLxD).reshape(B, L, H, K)
         k_BxLxGxK = dense(G * K, ("embed", "kv_heads_x_dim"), "key")(x_BxLxD).reshape(B, L, G, K)
@@ -230,13 +256,15 @@ class MLP(nn.Module):
     mlp_dim: int
     dtype: Any = jnp.bfloat16
     dot_general_cls: DotGeneralFactory = None
+    adapter: Any = None  # as Attention's
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         D = x_BxLxD.shape[-1]
 
         def dense(features, axes, name, tag):
-            return Dense(features, axes, self.dtype, self.dot_general_cls, name=name, checkpoint_tag=tag)
+            return Dense(features, axes, self.dtype, self.dot_general_cls, name=name, checkpoint_tag=tag,
+                         **adapter_fields(self.adapter, name))
 
         if not self.dot_general_cls:
             gate_BxLxF = dense(self.mlp_dim, ("embed", "mlp"), "gate", "mlpwi_0")(x_BxLxD)

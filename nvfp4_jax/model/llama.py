@@ -40,6 +40,7 @@ from flax.core import lift
 from flax.core.scope import LazyRng
 
 from nvfp4_jax.config import ModelConfig
+from nvfp4_jax.model import lora
 from nvfp4_jax.model.attention import select_attention
 from nvfp4_jax.model.layers import (
     BLD, MLP, Attention, DotGeneralFactory, Embed, RMSNorm, constrain, rope_frequencies,
@@ -144,13 +145,14 @@ class DecoderLayer(nn.Module):
             cfg.rope_high_freq_factor, cfg.rope_original_max_position,
         )
         eps = cfg.normalization_layer_epsilon
+        adapter = lora.from_config(cfg)
         h_BxLxD = x_BxLxD + Attention(
             cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim, tuple(inv_freq.tolist()),
             dtype, self.attention_dot_general_cls, self.attention_kernel, chunk_size=cfg.attention_chunk_size,
-            context_strategy=cfg.context_parallel_strategy, name="attention",
+            context_strategy=cfg.context_parallel_strategy, adapter=adapter, name="attention",
         )(RMSNorm(eps, dtype, name="attention_norm")(x_BxLxD), segment_ids_BxL, positions_BxL)
         h_BxLxD = constrain(h_BxLxD, BLD)
-        out_BxLxD = h_BxLxD + MLP(cfg.base_mlp_dim, dtype, self.mlp_dot_general_cls, name="mlp")(
+        out_BxLxD = h_BxLxD + MLP(cfg.base_mlp_dim, dtype, self.mlp_dot_general_cls, adapter, name="mlp")(
             RMSNorm(eps, dtype, name="mlp_norm")(h_BxLxD)
         )
         return constrain(out_BxLxD, BLD), None

@@ -25,7 +25,7 @@ import optax
 from nvfp4_jax import data as data_lib
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import Config, MeshConfig
-from nvfp4_jax.model import select_attention
+from nvfp4_jax.model import lora, select_attention
 from nvfp4_jax.train import build
 from nvfp4_jax.train.optimizer import make_optimizer
 
@@ -45,6 +45,9 @@ class Startup:
     bf16_from_step: int | None  # the BF16 tail's first step (quantization_end_step), or None
     mesh_shape: dict[str, int]
     global_batch: int | None  # None for a program that never trains (e.g. `convert`)
+    # What the optimizer trains: "all" parameters, or "adapters" (LoRA, the backbone frozen).
+    trained_params: str = "all"
+    adapter_line: str = ""  # the adapters' rank and targets, printed when they are trained alone
 
     @property
     def quantizes_anything(self) -> bool:
@@ -56,6 +59,8 @@ class Startup:
         lines = [f"attention: {self.attention_kernel} ({self.attention_reason})", self.backend.line]
         if self.backend.operands is not None:
             lines.append(f"NVFP4 operands: {self.backend.operands}")
+        if self.trained_params == "adapters":
+            lines.append(f"trains: the LoRA adapters alone ({self.adapter_line}); the backbone is frozen")
         return lines
 
     def record(self) -> dict[str, Any]:
@@ -65,7 +70,7 @@ class Startup:
             "operand_kernels": self.backend.operands, "kernel_dtype": self.kernel_dtype,
             "attention_kernel": self.attention_kernel, "attention_projections": self.attention_projections,
             "bf16_from_step": self.bf16_from_step, "mesh": dict(self.mesh_shape),
-            "global_batch_size": self.global_batch,
+            "global_batch_size": self.global_batch, "trained_params": self.trained_params,
         }
 
     def changes_from(self, saved: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
@@ -94,6 +99,8 @@ def resolve_startup(cfg: Config, mesh, *, trains: bool = True) -> Startup:
         bf16_from_step=t.quantization_end_step if t.quantization_end_step >= 0 else None,
         mesh_shape={axis: int(size) for axis, size in mesh.shape.items()},
         global_batch=sharding.global_batch_size(t.per_device_batch_size, mesh.devices.size) if trains else None,
+        trained_params="adapters" if lora.trains_adapters_only(m, t) else "all",
+        adapter_line=(f"rank {m.lora_rank}, alpha {m.lora_alpha:g}, on {m.lora_targets}" if m.lora_rank else ""),
     )
 
 
@@ -104,7 +111,11 @@ class Run:
     def __init__(self, cfg: Config, mesh, startup: Startup, optimizer: optax.GradientTransformation, *,
                  model=None):
         """`model` replaces the model of `cfg` (a benchmark's stand-in of the same parameters)."""
-        self.cfg, self.mesh, self.startup, self.optimizer = cfg, mesh, startup, optimizer
+        self.cfg, self.mesh, self.startup = cfg, mesh, startup
+        self.adapters_only = startup.trained_params == "adapters"
+        # A frozen backbone: whatever optimizer is given updates (and holds state for) the adapters.
+        self._given_optimizer = optimizer
+        self.optimizer = lora.freeze_backbone(optimizer) if self.adapters_only else optimizer
         self.model = self._model(quantized=True) if model is None else model
         self.batch_sharding = sharding.batch_sharding(mesh)
 
@@ -115,6 +126,11 @@ class Run:
     def with_optimizer(self, optimizer: optax.GradientTransformation) -> "Run":
         """The same run (decisions, mesh, model) with another optimizer (e.g. a frozen backbone's)."""
         return Run(self.cfg, self.mesh, self.startup, optimizer, model=self.model)
+
+    @property
+    def base_optimizer(self) -> optax.GradientTransformation:
+        """The optimizer as given, before a frozen backbone restricts it to the adapters."""
+        return self._given_optimizer
 
     @property
     def global_batch(self) -> int:
@@ -154,13 +170,14 @@ class Run:
 
     @functools.cached_property
     def train_step(self):
-        return build.jit_train_step(self.model, self.optimizer, self.mesh, self.state_shardings)
+        return build.jit_train_step(self.model, self.optimizer, self.mesh, self.state_shardings,
+                                    adapters_only=self.adapters_only)
 
     @functools.cached_property
     def bf16_train_step(self):
         """The BF16 tail's step (`quantization_end_step`): the same parameters with BF16 dots."""
         return build.jit_train_step(self._model(quantized=False), self.optimizer, self.mesh, self.state_shardings,
-                                    uses_fp8_meta=False)
+                                    uses_fp8_meta=False, adapters_only=self.adapters_only)
 
     @functools.cached_property
     def eval_step(self):

@@ -184,10 +184,11 @@ def init_sharded(model, optimizer, seq_len: int, shardings, seed: int):
         return init(jax.random.PRNGKey(seed))
 
 
-def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: bool = True):
+def jit_train_step(model, optimizer, mesh: Mesh, state_sh, *, uses_fp8_meta: bool = True,
+                   adapters_only: bool = False):
     """The train step, jitted with explicit shardings and donated state, traced on `mesh`."""
     return _in_scope(model, sharding.sharded_jit(
-        make_train_step(model, optimizer, uses_fp8_meta=uses_fp8_meta),
+        make_train_step(model, optimizer, uses_fp8_meta=uses_fp8_meta, adapters_only=adapters_only),
         mesh,
         in_shardings=(state_sh, sharding.batch_sharding(mesh)),
         out_shardings=(state_sh, sharding.replicated(mesh)),

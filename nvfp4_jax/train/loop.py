@@ -305,7 +305,8 @@ class _Segment:
         report = hooks_lib.Report(
             log_period=t.log_period, steps=t.steps, start=start, writer=writer, bar=bar, info=self.console.info,
             throughput=metrics_lib.Throughput(
-                flops_per_step=training_flops_per_step(m, self.global_batch, m.max_target_length),
+                flops_per_step=training_flops_per_step(m, self.global_batch, m.max_target_length,
+                                                       frozen_backbone=self.run_parts.adapters_only),
                 tokens_per_device_per_step=m.max_target_length * t.per_device_batch_size,
                 num_devices=self.mesh.devices.size),
             leaf_paths=integrity.leaf_paths(state), last_good=self._last_good_text)

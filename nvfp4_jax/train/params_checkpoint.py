@@ -29,6 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from nvfp4_jax.config import ConfigError, ModelConfig
+from nvfp4_jax.model import lora
 from nvfp4_jax.train import integrity
 from nvfp4_jax.train.checkpoint import _one_line
 
@@ -235,6 +236,10 @@ def restore_numpy(path: str, shapes: Mapping[tuple[str, ...], tuple[int, ...]] |
     return _nest(out)
 
 
+def _is_adapter_name(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in lora.ADAPTER_LEAVES
+
+
 def load_into(path: str, state, state_shardings):
     """A fresh TrainState with its params replaced by the checkpoint's (`load_parameters_path`).
 
@@ -246,11 +251,17 @@ def load_into(path: str, state, state_shardings):
         return state
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             state.params, state_shardings.params)
+    # A model with LoRA adapters starts from a backbone without them: the adapters keep their
+    # fresh initial values (B = 0: the adapted model starts as the backbone).
+    backbone, adapters = lora.split(abstract)
     try:
-        _matching_leaves(path, abstract)
-        for leaf in jax.tree.leaves(state.params):  # never two copies of the params on the devices
-            leaf.delete()
-        return state.replace(params=restore(path, abstract))
+        fresh_adapters = bool(adapters) and not any(_is_adapter_name(n) for n in read_meta(path)["leaves"])
+        wanted = backbone if fresh_adapters else abstract
+        _matching_leaves(path, wanted)
+        kept = lora.split(state.params)[1] if fresh_adapters else {}
+        for leaf in jax.tree.leaves(lora.split(state.params)[0] if fresh_adapters else state.params):
+            leaf.delete()  # never two copies of the params on the devices
+        return state.replace(params=lora.join(restore(path, wanted), kept))
     except ConvertError as exc:
         raise ConfigError(f"load_parameters_path={path!r}: {exc}") from None
 

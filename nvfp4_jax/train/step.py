@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nvfp4_jax.model import lora
 from nvfp4_jax.quant import health, quant_rngs
 from nvfp4_jax.train.integrity import finite_flags
 from nvfp4_jax.train.state import TrainState
@@ -55,20 +56,41 @@ def _loss(model: nn.Module, params, fp8_meta, batch, key) -> tuple[jax.Array, ja
 
 
 def make_train_step(
-    model: nn.Module, optimizer: optax.GradientTransformation, *, uses_fp8_meta: bool = True
+    model: nn.Module, optimizer: optax.GradientTransformation, *, uses_fp8_meta: bool = True,
+    adapters_only: bool = False,
 ) -> Callable:
     """Returns the pure step. Jit it with donated state (see loop.py).
 
     `uses_fp8_meta=False` is for a model built without quantized dots (the BF16 tail of a run):
     its FP8 histories pass through untouched instead of being overwritten by zero cotangents.
+    `adapters_only=True` (a frozen backbone, `optimizer` from `lora.freeze_backbone`)
+    differentiates the LoRA adapters alone: the backbone's kernels get no weight gradient and
+    stay bit for bit; `grad_norm` is the adapters'.
     """
 
+    def gradients(state: TrainState, batch):
+        if not adapters_only:
+            return jax.value_and_grad(functools.partial(_loss, model), argnums=(0, 1), has_aux=True)(
+                state.params, state.fp8_meta, batch, state.sr_key())
+        backbone, adapters = lora.split(state.params)
+        (loss, total_weights), (adapter_grads, fp8_grads) = jax.value_and_grad(
+            lambda a, meta: _loss(model, lora.join(backbone, a), meta, batch, state.sr_key()),
+            argnums=(0, 1), has_aux=True)(adapters, state.fp8_meta)
+        return (loss, total_weights), (adapter_grads, fp8_grads)
+
+    def apply(state: TrainState, grads):
+        if not adapters_only:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
+        backbone, adapters = lora.split(state.params)
+        # The backbone's zero gradients are never read (`freeze_backbone`), so never computed.
+        full = lora.join(jax.tree.map(jnp.zeros_like, backbone), grads)
+        updates, opt_state = optimizer.update(full, state.opt_state, state.params)
+        return lora.join(backbone, optax.apply_updates(adapters, lora.split(updates)[1])), opt_state
+
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
-        (loss, total_weights), (grads, fp8_grads) = jax.value_and_grad(
-            functools.partial(_loss, model), argnums=(0, 1), has_aux=True
-        )(state.params, state.fp8_meta, batch, state.sr_key())
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        (loss, total_weights), (grads, fp8_grads) = gradients(state, batch)
+        params, opt_state = apply(state, grads)
         # Overwrite-with-gradient: the quantized dot's VJP returns the new amax history as the
         # cotangent of the old one.
         new_state = state.replace(

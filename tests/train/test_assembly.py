@@ -31,8 +31,11 @@ def test_startup_holds_every_decision_with_the_lines_the_builders_used_to_print(
         "kernel_dtype": "bfloat16", "attention_kernel": "dot_product",
         "attention_projections": build.ATTENTION_FP8_RECIPE, "bf16_from_step": 5,
         "mesh": {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, "global_batch_size": 2,
+        "trained_params": "all",
     }
     assert s.quantizes_anything
+    assert _assembled("lora_rank=2").startup.record()["trained_params"] == "adapters"
+    assert _assembled("lora_rank=2", "train_params=all").startup.record()["trained_params"] == "all"
     plain = _assembled("quantization=bf16", "quantize_fp32_kernel=true").startup
     assert plain.record()["kernel_dtype"] is None and plain.record()["bf16_from_step"] is None
     assert not plain.quantizes_anything
