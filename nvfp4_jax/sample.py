@@ -28,12 +28,12 @@ import numpy as np
 
 from nvfp4_jax.cli import Exit, fail
 from nvfp4_jax.config import Config, ConfigError, from_dict
+from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
 
 # The smallest temperature but 0 (greedy): logits / T, computed in float64 from float32 logits
 # (|logit| < 3.5e38), stays finite for every T >= 1e-6, so softmax never becomes NaN; below it
 # sampling is greedy for every practical purpose anyway.
 MIN_TEMPERATURE = 1e-6
-_DOCUMENT_TYPES = ("grain", "hf")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,7 +83,7 @@ def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
         tokenizer = load_tokenizer(d.tokenizer_type, tokenizer_path or d.tokenizer_path)
     except DataError as exc:
         raise DataError(f"{exc} (the run's tokenizer; give its path with --tokenizer PATH)") from None
-    documents = d.dataset_type in _DOCUMENT_TYPES
+    documents = d.dataset_type in DOCUMENT_DATASET_TYPES
     return tokenizer, documents and d.add_bos, documents and d.add_eos
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nvfp4_jax.cli import Exit, fail
-from nvfp4_jax.config import TOKENIZER_TYPES
+from nvfp4_jax.config.choices import TOKENIZER_TYPES
 from nvfp4_jax.data import sources
 from nvfp4_jax.data.errors import DataError, require
 from nvfp4_jax.data.tokenizer import load_tokenizer
