@@ -34,7 +34,8 @@ class Exit(enum.IntEnum):
 def debug_requested(argv: Sequence[str] | None = None) -> bool:
     """Whether the user asked for tracebacks: `--debug` among `argv` (default `sys.argv[1:]`), or
     NVFP4_JAX_DEBUG set (not 0)."""
-    return "--debug" in (sys.argv[1:] if argv is None else argv) or os.environ.get("NVFP4_JAX_DEBUG", "") not in ("", "0")
+    argv = sys.argv[1:] if argv is None else argv
+    return "--debug" in argv or os.environ.get("NVFP4_JAX_DEBUG", "") not in ("", "0")
 
 
 def error_line(message: object) -> str:

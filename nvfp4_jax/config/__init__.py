@@ -1,8 +1,8 @@
 """Typed run configuration: the one source of defaults.
 
-A run is described by one frozen `Config` made of four sections. The dataclasses below hold every
-default; YAML presets (`recipes/configs/*.yml`) and `key=value` command-line overrides only change
-them. Keys are MaxText's flat names (`per_device_batch_size=4`), each owned by exactly one section;
+A run is described by one frozen `Config` made of four sections. The dataclasses (`schema.py`)
+hold every default; YAML presets (`recipes/configs/*.yml`) and `key=value` command-line overrides
+only change them. Keys are MaxText's flat names (`per_device_batch_size=4`), each owned by exactly one section;
 `section.key=value` is accepted too. `model_name` picks a shape preset, applied before the YAML
 file's and the command line's own model keys.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from typing import Any, Sequence
 
@@ -17,6 +18,7 @@ def _closest(key: str, options) -> str:
     return f" Did you mean '{match[0]}'?" if match else ""
 
 
+@functools.lru_cache(maxsize=None)  # a section class's fields never change
 def field_types(cls) -> dict[str, type]:
     """Each field's value type; a field typed with its choices (a `Literal`) takes their type."""
     hints = typing.get_type_hints(cls)
