@@ -71,3 +71,11 @@ def test_debug_adds_the_traceback_to_a_commands_error_line(tmp_path, capsys):
         assert main(["--debug", "--seeds" if main is lab_main.main else "--nope", "x"]) == Exit.BAD_INPUT
         err = capsys.readouterr().err
         assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_convert_takes_debug_too(tmp_path, capsys):
+    from nvfp4_jax.convert.__main__ import main as convert_main
+
+    assert convert_main(["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--debug"]) == Exit.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
