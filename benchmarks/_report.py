@@ -38,3 +38,11 @@ def environment() -> dict:
 def write_json(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def write_result(path: Path, leading: dict, *, note: str, rows: list, **fields) -> dict:
+    """Writes and returns a results file: `leading` (what was run), the environment, `fields`,
+    the note that says what the numbers mean, then the rows."""
+    result = dict(**leading, **environment(), **fields, note=note, rows=rows)
+    write_json(path, result)
+    return result

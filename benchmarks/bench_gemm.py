@@ -29,7 +29,7 @@ from jax import lax
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from _report import environment, write_json  # noqa: E402
+from _report import write_result  # noqa: E402
 
 from nvfp4_jax.quant import make_dot_general, nvfp4_gemm_operand  # noqa: E402
 from nvfp4_jax.quant.nvfp4_backend import sr_keys  # noqa: E402
@@ -138,9 +138,8 @@ def main(argv=None) -> dict:
         print(f"{'case':26s} {'median ms':>10s} {'min ms':>9s} {'/ bf16':>7s}")
         for r, name in zip(shape_rows, (*RECIPES, "nvfp4 quantize only", "  of which SR noise", "nvfp4 GEMMs only")):
             print(f"{name:26s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio_to_bf16']:7.2f}")
-    result = dict(
-        repeats=args.repeats,
-        **environment(),
+    return write_result(
+        args.out, dict(repeats=args.repeats),
         load_average_before=[round(v, 2) for v in load_before],
         load_average_after=[round(v, 2) for v in os.getloadavg()],
         note="fwd+bwd of Y = X . W with bf16 X, W, dY; emulated recipes; ratio = median / bf16's "
@@ -148,8 +147,6 @@ def main(argv=None) -> dict:
         "'SR noise' is the part of 'quantize only' spent drawing the 8-bit random numbers.",
         rows=rows,
     )
-    write_json(args.out, result)
-    return result
 
 
 if __name__ == "__main__":

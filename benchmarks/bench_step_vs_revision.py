@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 
-from _report import environment, write_json  # noqa: E402
+from _report import write_result  # noqa: E402
 from _workers import Worker  # noqa: E402
 
 OUT = HERE / "results" / "step_vs_revision.json"
@@ -121,17 +121,15 @@ def main(argv=None) -> dict:
             print(f"{preset:10s} {row['recipe']:24s} {name:10s} median {row['median_step_s']:.4f} s "
                   f"min {row['min_step_s']:.4f} s  / baseline {ratio:>6s}  1st step {row['first_step_s']:.1f} s",
                   flush=True)
-    result = dict(
-        command="python " + " ".join([os.path.relpath(__file__, Path.cwd())] + list(argv or sys.argv[1:])),
-        **environment(),
+    command = "python " + " ".join([os.path.relpath(__file__, Path.cwd())] + list(argv or sys.argv[1:]))
+    return write_result(
+        args.out, dict(command=command),
         baseline=args.baseline,
         wall_s=round(time.perf_counter() - t0, 1),
         note="median of interleaved rounds after warm-up, one worker process per revision, one "
         "device, fixed synthetic batch; first_step_s includes compilation",
         rows=result_rows,
     )
-    write_json(args.out, result)
-    return result
 
 
 if __name__ == "__main__":

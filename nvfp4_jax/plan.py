@@ -54,7 +54,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax import config as config_lib
 from nvfp4_jax import flops, projection, sharding
-from nvfp4_jax.cli import Exit, fail
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail
 from nvfp4_jax.config import Config, ConfigError, ModelConfig, load_config
 from nvfp4_jax.model import Llama, layer_blocks, layer_is_quantized, select_attention
 from nvfp4_jax.model.ulysses import kv_repeats
@@ -402,8 +402,8 @@ def check_numeric_options(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nvfp4_jax.plan", description=__doc__.splitlines()[0],
-                                     epilog=EXIT_CODES)
+    parser = CommandParser("plan", error=ConfigError, help=True, description=__doc__.splitlines()[0],
+                           epilog=EXIT_CODES)
     parser.add_argument("--num-devices", type=int, default=None,
                         help="devices to plan for (default: the product of the mesh keys, or with a -1 "
                              "mesh key, the devices of this machine)")
@@ -413,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print the longest max_target_length that fits the device (needs its memory)")
     parser.add_argument("--project", choices=sorted(projection.DEVICES), default=None,
                         help="also project the step time per recipe on this GPU (docs/backends.md)")
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        args, rest = parser.parse_known_args(argv)
         check_numeric_options(args)
         cfg = load_config(rest)
         num_devices = args.num_devices
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--max-context needs the device's memory: give --device-memory-gib "
                               "(no accelerator here says it)")
     except ConfigError as exc:
-        return fail(exc)
+        return fail(exc, debug=debug_requested(argv))
     print(format_plan(cfg, plan))
     if args.max_context:
         print(_max_context_line(cfg, num_devices, memory))

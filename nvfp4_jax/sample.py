@@ -6,6 +6,7 @@
   --top-k K              sample among the K likeliest tokens only (0: all)
   --seed S               the sampling seed, an integer >= 0 (default 0)
   --tokenizer PATH       the tokenizer file, when the run's tokenizer_path is not found from here
+  --debug                the traceback above an `error:` line (as NVFP4_JAX_DEBUG=1)
 
 The run's `config.json` gives the model and the tokenizer (a `grain`/`hf` run's tokenizer keys;
 bytes for the byte corpora). The forward pass is BF16 with plain dots (the parameters are the
@@ -17,7 +18,6 @@ codes: 0 done, 2 a user error, 4 no intact checkpoint (each one `error: ...` lin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -26,23 +26,18 @@ import sys
 
 import numpy as np
 
-from nvfp4_jax.cli import Exit, fail
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail, parse_command
 from nvfp4_jax.config import Config, ConfigError, from_dict
+from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
 
 # The smallest temperature but 0 (greedy): logits / T, computed in float64 from float32 logits
 # (|logit| < 3.5e38), stays finite for every T >= 1e-6, so softmax never becomes NaN; below it
 # sampling is greedy for every practical purpose anyway.
 MIN_TEMPERATURE = 1e-6
-_DOCUMENT_TYPES = ("grain", "hf")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise ConfigError(f"{message} (see python -m nvfp4_jax.sample --help).")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m nvfp4_jax.sample", add_help=False)
+def _parser() -> CommandParser:
+    parser = CommandParser("sample", error=ConfigError)
     parser.add_argument("run_dir")
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -83,7 +78,7 @@ def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
         tokenizer = load_tokenizer(d.tokenizer_type, tokenizer_path or d.tokenizer_path)
     except DataError as exc:
         raise DataError(f"{exc} (the run's tokenizer; give its path with --tokenizer PATH)") from None
-    documents = d.dataset_type in _DOCUMENT_TYPES
+    documents = d.dataset_type in DOCUMENT_DATASET_TYPES
     return tokenizer, documents and d.add_bos, documents and d.add_eos
 
 
@@ -165,16 +160,14 @@ def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, tempera
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return Exit.OK
     # config errors come back before jax loads
     from nvfp4_jax.data import DataError
     from nvfp4_jax.train.checkpoint import CheckpointError
 
     try:
-        args = _parser().parse_args(argv)
+        args = parse_command(_parser(), argv, __doc__)
+        if args is None:
+            return Exit.OK
         t = args.temperature
         for name, ok, allowed in (
                 ("--max-new-tokens", args.max_new_tokens > 0, "must be > 0"),
@@ -193,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--prompt is empty and this run's documents have no BOS to start from; give a prompt.")
         params, step = load_params(args.run_dir, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
-        return fail(exc, Exit.NO_CHECKPOINT if isinstance(exc, CheckpointError) else Exit.BAD_INPUT)
+        return fail(exc, Exit.NO_CHECKPOINT if isinstance(exc, CheckpointError) else Exit.BAD_INPUT,
+                    debug=debug_requested(argv))
 
     new = generate(bf16_logits(cfg, params), prompt_ids, length=cfg.model.max_target_length,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

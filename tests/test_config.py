@@ -40,30 +40,36 @@ def test_model_preset_applies_under_explicit_keys():
 @pytest.mark.parametrize(
     "args, pattern",
     [
+        # keys and values as text
         (["quantisation=te_nvfp4"], r"Unknown config key 'quantisation'.*Did you mean 'quantization'"),
+        (["steps=1.5"], r"steps='1.5': expected int"),
+        (["enable_checkpointing=maybe"], r"expected a boolean"),
+        (["steps=3", "oops"], r"Expected key=value, got .oops."),
+        (["model_name=gpt5"], r"model_name='gpt5'.*llama3-8b"),
+        # the model's shape
         (["quantization=nvfp5"], r"quantization='nvfp5'.*te_nvfp4"),
         (["base_num_kv_heads=3"], r"base_num_kv_heads=3.*must divide base_num_query_heads=4"),
         (["base_emb_dim=-128"], r"base_emb_dim=-128.*positive"),
+        (["bf16_first_layers=3", "bf16_last_layers=2"], r"bf16_first_layers \+ bf16_last_layers"),
+        (["normalization_layer_epsilon=0"], r"normalization_layer_epsilon=0.0 .*> 0"),
+        # block-scaled recipes need whole blocks
         (["quantization=te_nvfp4", "base_mlp_dim=392"], r"base_mlp_dim=392.*multiple of 16"),
         (["quantization=mxfp4", "base_mlp_dim=400"], r"base_mlp_dim=400.*multiple of 32"),
-        (["steps=1.5"], r"steps='1.5': expected int"),
-        (["enable_checkpointing=maybe"], r"expected a boolean"),
-        (["model_name=gpt5"], r"model_name='gpt5'.*llama3-8b"),
-        (["dataset_type=text"], r"dataset_path.*needs a file path"),
-        (["steps=3", "oops"], r"Expected key=value, got .oops."),
-        (["bf16_first_layers=3", "bf16_last_layers=2"], r"bf16_first_layers \+ bf16_last_layers"),
+        (["quantization=te_nvfp4", "max_target_length=60"], r"max_target_length=60 .*multiple of 16"),
+        (["quantization=mxfp4", "max_target_length=48"], r"max_target_length=48 .*multiple of 32"),
+        # the optimizer
         (["adam_eps=0"], r"adam_eps=0.0 .*must be > 0"),
         (["adam_b1=2"], r"adam_b1=2.0 .*\[0, 1\)"),
         (["adam_b2=1"], r"adam_b2=1.0 .*\[0, 1\)"),
         (["adam_b1=-0.1"], r"adam_b1=-0.1 .*\[0, 1\)"),
         (["adam_weight_decay=-0.1"], r"adam_weight_decay=-0.1 .*>= 0"),
+        # non-finite numbers and steps
         (["learning_rate=inf"], r"learning_rate=inf .*finite"),
         (["learning_rate=nan"], r"learning_rate=nan .*finite"),
         (["eval_fraction=nan"], r"eval_fraction=nan .*finite"),
-        (["normalization_layer_epsilon=0"], r"normalization_layer_epsilon=0.0 .*> 0"),
         (["quantization_end_step=-5"], r"quantization_end_step=-5"),
-        (["quantization=te_nvfp4", "max_target_length=60"], r"max_target_length=60 .*multiple of 16"),
-        (["quantization=mxfp4", "max_target_length=48"], r"max_target_length=48 .*multiple of 32"),
+        # data and output paths
+        (["dataset_type=text"], r"dataset_path.*needs a file path"),
         (["run_name=../../x"], r"run_name='../../x' .*inside base_output_directory"),
         (["run_name=a/../../x"], r"run_name='a/../../x'"),
         (["run_name=/tmp/x"], r"run_name='/tmp/x'"),

@@ -9,14 +9,15 @@
       checkpoints/<step> folders, or a parameters checkpoint. OUT gets config.json and
       safetensors that transformers.LlamaForCausalLM.from_pretrained(OUT) loads.
 
-Exit codes: 0 done; 2 something the user can fix, as one `error: ...` line; 1 an internal error.
+Exit codes: 0 done; 2 something the user can fix, as one `error: ...` line (`--debug`, or
+NVFP4_JAX_DEBUG=1, adds its traceback); 1 an internal error.
 """
 
 from __future__ import annotations
 
 import sys
 
-from nvfp4_jax.cli import Exit, fail
+from nvfp4_jax.cli import Exit, debug_requested, fail
 
 
 def _options(args: list[str], allowed: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -40,6 +41,8 @@ def _options(args: list[str], allowed: dict[str, str]) -> tuple[list[str], dict[
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
     if not argv:
         return fail("No command; choose from-hf or to-hf (python -m nvfp4_jax.convert --help).")
     if argv[0] in ("-h", "--help"):
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise ValueError(f"Unknown command {command!r}; choose from-hf or to-hf (see --help).")
     except (ValueError, ConfigError, ConvertError) as exc:
-        return fail(exc)
+        return fail(exc, debug=debug)
     return Exit.OK
 
 

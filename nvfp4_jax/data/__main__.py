@@ -13,6 +13,7 @@ grain_train_files=data/documents.array_record`:
   --column NAME       the text column of JSONL/Parquet rows (default: text)
   --no-bos, --no-eos  leave out BOS / EOS (both are added by default, as add_bos/add_eos)
   --overwrite         replace an existing documents.array_record
+  --debug             the traceback above an `error:` line (as NVFP4_JAX_DEBUG=1)
 
 Train with the same tokenizer keys (tokenizer_type, tokenizer_path), so that `sample` decodes
 with it. Every mistake is one `error: ...` line and exit code 2.
@@ -20,7 +21,6 @@ with it. Every mistake is one `error: ...` line and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,8 +29,8 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from nvfp4_jax.cli import Exit, fail
-from nvfp4_jax.config import TOKENIZER_TYPES
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail, parse_command
+from nvfp4_jax.config.choices import TOKENIZER_TYPES
 from nvfp4_jax.data import sources
 from nvfp4_jax.data.errors import DataError, require
 from nvfp4_jax.data.tokenizer import load_tokenizer
@@ -38,13 +38,8 @@ from nvfp4_jax.data.tokenizer import load_tokenizer
 OUTPUT_FILE = "documents" + sources.ARRAY_RECORD
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise DataError(f"{message} (see python -m nvfp4_jax.data --help).")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m nvfp4_jax.data", add_help=False)
+def _parser() -> CommandParser:
+    parser = CommandParser("data", error=DataError)
     parser.add_argument("command", choices=["prepare"])
     parser.add_argument("--input", action="append", required=True)
     parser.add_argument("--output", required=True)
@@ -132,17 +127,14 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: str = "", tokeniz
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return Exit.OK
     try:
-        args = _parser().parse_args(argv)
+        if (args := parse_command(_parser(), argv, __doc__)) is None:
+            return Exit.OK
         summary = prepare(args.input, args.output, tokenizer_path=args.tokenizer,
                           tokenizer_type=args.tokenizer_type, column=args.column, add_bos=not args.no_bos,
                           add_eos=not args.no_eos, overwrite=args.overwrite)
     except DataError as exc:
-        return fail(exc)
+        return fail(exc, debug=debug_requested(argv))
     tok = summary["tokenizer"]
     mean = summary["tokens"] / summary["documents"]
     print(f"prepared {summary['documents']:,} documents, {summary['tokens']:,} tokens (mean {mean:,.1f}, "

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from nvfp4_jax.config import DataConfig
+from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
 from nvfp4_jax.data import documents, sources, streams
 from nvfp4_jax.data.tokenizer import tokenizer_files
 
@@ -108,7 +109,7 @@ def data_entries(data_cfg: DataConfig) -> list[dict[str, Any]]:
         path = os.path.expanduser(data_cfg.dataset_path)
         itemsize = 1 if kind == "text" else np.dtype(data_cfg.token_dtype).itemsize
         return [_entry("train data", path, tokens=os.path.getsize(path) // itemsize)]
-    if kind not in ("grain", "hf"):
+    if kind not in DOCUMENT_DATASET_TYPES:
         return []
     train_key, train_patterns, eval_key, eval_patterns = documents.files_keys(data_cfg)
     out = []

@@ -30,6 +30,7 @@ import os
 import numpy as np
 
 from nvfp4_jax.config import DataConfig
+from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
 from nvfp4_jax.data.documents import make_document_batches
 from nvfp4_jax.data.errors import DataError, check_utf8_file
 from nvfp4_jax.data.packing import process_rows
@@ -196,7 +197,7 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         raise DataError(f"seq_len={seq_len}, global_batch_size={global_batch_size} and "
                         f"vocab_size={vocab_size} must all be positive.")
     kind = data_cfg.dataset_type
-    if kind in ("grain", "hf"):
+    if kind in DOCUMENT_DATASET_TYPES:
         return make_document_batches(data_cfg, seq_len=seq_len, global_batch_size=global_batch_size,
                                      seed=seed, split=split, vocab_size=vocab_size)
     common = dict(split=split, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed,

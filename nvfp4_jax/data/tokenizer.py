@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from nvfp4_jax.config import TOKENIZER_TYPES
+from nvfp4_jax.config.choices import TOKENIZER_TYPES
 from nvfp4_jax.data.errors import DataError, read_json_object, require
 
 BYTE_BOS, BYTE_EOS = 256, 257
@@ -181,7 +181,11 @@ def load_tokenizer(tokenizer_type: str, tokenizer_path: str = "") -> Tokenizer:
         raise DataError(f"tokenizer_path={path!r} does not exist.")
     if tokenizer_type != "huggingface" and not os.path.isfile(path):
         raise DataError(f"tokenizer_path={path!r} is not a file.")
-    return {"huggingface": _huggingface, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[tokenizer_type](path)
+    return FILE_TOKENIZERS[tokenizer_type](path)
+
+
+# Each tokenizer_type (config.choices) but bytes -> its reader of tokenizer_path.
+FILE_TOKENIZERS = {"huggingface": _huggingface, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:

@@ -65,7 +65,7 @@ import json
 import os
 import sys
 
-from nvfp4_jax.cli import Exit, debug_requested, fail
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail
 
 ENVS = ("sim", "poc")  # where the job runs: FLARE's simulator, or its POC mode
 from nvfp4_jax.config import ConfigError, config_layers, global_batch_size, make_config
@@ -85,15 +85,9 @@ FILTER_FLAGS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m nvfp4_jax.federated", add_help=False)
+def _parser() -> CommandParser:
+    p = CommandParser("federated", error=ConfigError, hint=False)
     p.add_argument("-h", "--help", action="store_true")
-    p.add_argument("--debug", action="store_true")
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget", default="adaptive")

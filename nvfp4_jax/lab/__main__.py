@@ -16,24 +16,22 @@ statistics of an existing study with this code.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from nvfp4_jax.cli import Exit, fail
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail
 from nvfp4_jax.config import ConfigError
 from nvfp4_jax.lab.arms import DEFAULT_ARMS, parse_arms
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m nvfp4_jax.lab",
+def _parser() -> CommandParser:
+    p = CommandParser(
+        "lab", error=ConfigError, config=True, help=True,
         description="Convergence lab: train each arm over several seeds on the same data, compare "
                     "them with the reference arm (training-loss tail, validation through the recipe "
                     "and through BF16, tokens to a target loss) with confidence intervals and "
                     "corrected p-values, plot the curves and the quantization health. Rerunning resumes.",
     )
-    p.add_argument("config", nargs="*", help="base config: [config.yml] [key=value ...] (as nvfp4_jax.train)")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM",
                    help="arms as name or name:key=value,key=value (default: the paper's comparisons)")
     p.add_argument("--seeds", type=int, default=5, help="seeds per arm, counting up from the config's seed (default 5)")
@@ -56,7 +54,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except ConfigError as exc:
+        return fail(exc, debug=debug)
     # after argparse: usage errors and --help come back before anything heavy loads
     from nvfp4_jax.data import DataError
     from nvfp4_jax.lab.runs import LabError, StudyStopped
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, LabError, MetricsError, RunLockedError) as exc:
         # RunLockedError: another lab (or training run) is training one of these runs now.
         # MetricsError: a run's metrics.jsonl holds a line that is not a record (file and line named).
-        return fail(exc)
+        return fail(exc, debug=debug)
     return Exit.OK
 
 

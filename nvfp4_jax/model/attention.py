@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nvfp4_jax.config.choices import ATTENTION_KERNEL_ALIASES as ALIASES
+from nvfp4_jax.config.choices import RESOLVED_ATTENTION_KERNELS as KERNELS
 from nvfp4_jax.model.chunked_attention import chunked_attention
 
-# MaxText calls Transformer Engine's fused attention "cudnn_flash_te"; here it is the same choice.
-ALIASES = {"cudnn_flash_te": "cudnn_flash"}
-KERNELS = ("dot_product", "cudnn_flash", "chunked")
 # Off-GPU, autoselected keeps dot_product up to this many tokens: its fp32 scores and
 # probabilities are 8 * L^2 bytes per head and row (128 MiB per head at 4096 tokens; measured
 # in benchmarks/results/attention_memory.json), past which the blocked kernel's linear memory wins.
@@ -99,9 +98,7 @@ def cudnn_flash_attention(
 def attention_fn(kernel: str, chunk_size: int) -> Callable[..., jax.Array]:
     """The kernel `fn(q, k, v, *, segment_ids_BxL=None)` of a resolved kernel name (one of
     KERNELS); `chunk_size` is the chunked kernel's block (attention_chunk_size)."""
-    if kernel == "chunked":
-        return functools.partial(chunked_attention, block_size=chunk_size)
-    return {"dot_product": causal_attention, "cudnn_flash": cudnn_flash_attention}[kernel]
+    return KERNEL_FNS[kernel](chunk_size)
 
 
 class AttentionChoice(NamedTuple):
@@ -140,6 +137,14 @@ def _cudnn_unusable(device) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _probe(device) -> str | None:
     return _cudnn_unusable(device)
+
+
+# Each resolved kernel name (config.choices) -> its function given attention_chunk_size.
+KERNEL_FNS: dict[str, Callable[[int], Callable[..., jax.Array]]] = {
+    "dot_product": lambda chunk_size: causal_attention,
+    "cudnn_flash": lambda chunk_size: cudnn_flash_attention,
+    "chunked": lambda chunk_size: functools.partial(chunked_attention, block_size=chunk_size),
+}
 
 
 def select_attention(requested: str, device=None, seq_len: int | None = None) -> AttentionChoice:

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-STRATEGIES = ("all_gather", "ulysses")
+from nvfp4_jax.config.choices import CONTEXT_PARALLEL_STRATEGIES as STRATEGIES
+
 # layers.BLHK (layers imports this module): q, k, v and the output, split along the sequence.
 _BLHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 # K/V pinned whole along the sequence (the all_gather strategy).
@@ -107,9 +108,13 @@ def context_parallel_attention(kernel: Callable[..., jax.Array], strategy: str) 
     """The attention function of `kernel` under context-parallel `strategy` (same signature)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_strategy={strategy!r}: choose one of {list(STRATEGIES)}")
-    wrapper = ulysses_attention if strategy == "ulysses" else all_gather_attention
+    wrapper = STRATEGY_WRAPPERS[strategy]
 
     def attend(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, **kwargs):
         return wrapper(kernel, q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, **kwargs)
 
     return attend
+
+
+# Each context_parallel_strategy (config.choices) -> the wrapper that runs a kernel under it.
+STRATEGY_WRAPPERS = {"all_gather": all_gather_attention, "ulysses": ulysses_attention}

@@ -12,7 +12,7 @@ fails before jax is loaded.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping, Optional, Union
+from typing import Literal, Mapping, Optional, Union, get_args
 
 from nvfp4_jax.quant.spec import ROLES, OperandSpec
 
@@ -123,8 +123,10 @@ RECIPES: Mapping[str, Recipe] = {
 
 # Which code runs the quantized GEMMs (`quantization_backend`, see `nvfp4_jax.quant.backends`)
 # and who computes NVFP4 operands (`quant_kernels`, see `nvfp4_jax.kernels.select`).
-BACKENDS = ("auto", "emulated", "xla", "te")
-QUANT_KERNELS = ("auto", "pallas", "jnp")
+Backend = Literal["auto", "emulated", "xla", "te"]
+QuantKernels = Literal["auto", "pallas", "jnp"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernels)
 
 
 def get_recipe(flag_or_recipe: Union[str, Recipe]) -> Recipe:

@@ -23,22 +23,22 @@ from __future__ import annotations
 
 import sys
 
-from nvfp4_jax.cli import Exit, debug_requested, fail
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail
 from nvfp4_jax.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
-    argv = [a for a in argv if a != "--debug"]
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return Exit.OK
-    options = [a for a in argv if a.startswith("--")]
-    if options:
-        return fail(f"Unknown option {options[0]!r}; the only option is --debug.", debug=debug)
+    parser = CommandParser("train", error=ConfigError, config=True, allow_abbrev=False)
     try:
-        cfg = load_config(argv)
+        args, unknown = parser.parse_known_intermixed_args(argv)
+        if unknown:
+            raise ConfigError(f"Unknown option {unknown[0]!r}; the only option is --debug.")
+        cfg = load_config(args.config)
     except ConfigError as exc:
         return fail(exc, debug=debug)
 
