@@ -1,5 +1,6 @@
 """Deterministic, resumable token batches: batch(step) is a pure function of the step.
 
+- `batches.py`: the step-indexed protocol every source implements (`StepBatches`).
 - `streams.py`: windows of one token stream (`shakespeare`, `synthetic`, `text`, `tokens`).
 - `documents.py`: tokenized documents, packed or padded (`grain`, `hf`), with segment ids,
   positions and a loss mask (`packing.py`); read from local files (`sources.py`).
@@ -9,6 +10,7 @@
 Grain, tokenizers and datasets are imported only when a config asks for them.
 """
 
+from nvfp4_jax.data.batches import StepBatches
 from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.data.streams import (
     BYTE_VOCAB_SIZE, SPLITS, TokenBatches, decode, encode, eval_boundary, make_dataset, shakespeare_bytes,
@@ -16,6 +18,6 @@ from nvfp4_jax.data.streams import (
 from nvfp4_jax.data.tokenizer import TOKENIZER_TYPES, Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
-    "BYTE_VOCAB_SIZE", "SPLITS", "TOKENIZER_TYPES", "DataError", "TokenBatches", "Tokenizer", "check_vocab",
+    "BYTE_VOCAB_SIZE", "SPLITS", "TOKENIZER_TYPES", "DataError", "StepBatches", "TokenBatches", "Tokenizer", "check_vocab",
     "decode", "encode", "eval_boundary", "load_tokenizer", "make_dataset", "shakespeare_bytes",
 ]

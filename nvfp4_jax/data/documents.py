@@ -23,6 +23,7 @@ import numpy as np
 
 from nvfp4_jax.config import DataConfig
 from nvfp4_jax.data import packing, sources
+from nvfp4_jax.data.batches import Split
 from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.data.packing import process_rows
 from nvfp4_jax.data.tokenizer import check_vocab, load_tokenizer
@@ -31,15 +32,9 @@ _SHUFFLE_STREAM = 2  # beside the window streams' split ids 0 and 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DocumentBatches:
+class DocumentBatches(Split):
     """Batches of one split of a document corpus, in the batch contract (`packing.BATCH_KEYS`)."""
 
-    name: str
-    split: str
-    seq_len: int
-    global_batch_size: int
-    seed: int
-    vocab_size: int
     packing: bool
     docs: sources.Documents
     warnings: tuple[str, ...] = ()

@@ -31,6 +31,7 @@ import numpy as np
 
 from nvfp4_jax.config import DataConfig
 from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
+from nvfp4_jax.data.batches import Split, StepBatches
 from nvfp4_jax.data.documents import make_document_batches
 from nvfp4_jax.data.errors import DataError, check_utf8_file
 from nvfp4_jax.data.packing import process_rows
@@ -73,16 +74,10 @@ def shakespeare_bytes() -> bytes:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class TokenBatches:
+class TokenBatches(Split):
     """Batches of one split. `tokens` is the whole stream (None for synthetic data) and
     `token_range` the split's `[start, stop)` inside it."""
 
-    name: str
-    split: str
-    seq_len: int
-    global_batch_size: int
-    seed: int
-    vocab_size: int
     tokens: np.ndarray | None
     token_range: tuple[int, int]
     # Things about the data a user should hear about but that do not stop a run.
@@ -183,9 +178,9 @@ def _check_ids(tokens: np.ndarray, start: int, stop: int, vocab_size: int, name:
 
 
 def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: int, split: str,
-                 vocab_size: int):
+                 vocab_size: int) -> StepBatches:
     """The batches of `split` ("train" or "eval") of the source `data_cfg` describes: a
-    TokenBatches, or a documents.DocumentBatches for `grain` and `hf` (the same interface).
+    TokenBatches, or a documents.DocumentBatches for `grain` and `hf` (both `StepBatches`).
 
     Raises DataError for a missing file, a file whose ids do not fit `vocab_size` or a split
     shorter than one `seq_len + 1` window. `warnings` holds softer findings (ids that look like a
