@@ -14,7 +14,8 @@ Options:
                             global batch per site)
   --w-time W, --w-energy W  weights of per-sample time and energy in a site's cost (1, 0)
   --ema A, --deadband D     smoothing of the measured costs (0.5) and the deadband (0.05)
-  --update K                full | diff | subset (default diff): what a site sends
+  --update K                full | diff | subset | adapters (default diff): what a site sends;
+                            adapters: the LoRA adapters alone (lora_rank > 0), the backbone frozen
   --trainable T             with --update subset: mlp | last:N | a regex over parameter paths
   --compression C           none | fp8 | nvfp4 (default none), with error feedback on the site
   --privacy F               none | percentile | svt | gaussian (FLARE result filters on every site)
@@ -137,7 +138,7 @@ def _floats(text: str, n: int, name: str, default: float | None) -> list:
 def _check_filterable(where: str, name: str, contract) -> None:
     if name != "none" and (not contract.sends_difference or contract.compression != "none"):
         raise ConfigError(f"{where} filters uncompressed differences: use --update diff "
-                          "(or subset) with --compression none")
+                          "(or subset, adapters) with --compression none")
 
 
 def _privacy_policies(args, site_names: list, contract) -> tuple[dict, dict]:
@@ -215,6 +216,10 @@ def build_spec(argv: list[str]):
         contract_lib.check_contract(contract)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if contract.kind == "adapters" and not cfg.model.lora_rank:
+        raise ConfigError("--update adapters sends the LoRA adapters: give the model some (lora_rank=8, say)")
+    if contract.kind == "adapters" and cfg.train.train_params == "all":
+        raise ConfigError("--update adapters trains the adapters alone: drop train_params=all")
     if args.env not in ENVS:
         raise ConfigError(f"--env={args.env!r} is not allowed: one of {', '.join(ENVS)}")
     if args.weighting not in contract_lib.WEIGHTINGS:

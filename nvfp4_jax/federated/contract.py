@@ -1,9 +1,13 @@
 """The update contract: what a site sends back each round, declared in one place.
 
 - `kind`: `full` (the site's new parameters), `diff` (new minus the round's global model; FedAvg
-  adds the weighted mean of the differences), or `subset`: only the trainable parameters (a
-  frozen backbone: `trainable=mlp` or `trainable=last:N`), sent as differences; the rest of the
-  model never changes on the site and never travels.
+  adds the weighted mean of the differences), `subset`: only the trainable parameters (a
+  frozen backbone: `trainable=mlp` or `trainable=last:N`), sent as differences, or `adapters`:
+  only the LoRA adapters (a model with `lora_rank > 0`, its backbone frozen on every site), sent
+  as differences. Under `subset` and `adapters` the rest of the model never changes on a site and
+  never travels, in either direction: every site starts from the same backbone as the server
+  (the same `seed`, or the same `load_parameters_path`), and the server sends only the trained
+  leaves (`server.BudgetedFedAvg._sent_model`).
 - `compression`: `none`, `fp8` (E4M3 with one fp32 scale per tensor) or `nvfp4` (E2M1 codes in
   16-element blocks with E4M3 block scales and an fp32 tensor scale, this project's quantizer).
   Only differences are compressed. The site keeps the compression error and adds it to the next
@@ -24,7 +28,10 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
-KINDS = ("full", "diff", "subset")
+KINDS = ("full", "diff", "subset", "adapters")
+# The names of a LoRA adapter's two matrices (nvfp4_jax.model.lora.ADAPTER_LEAVES: this module
+# stays jax-free for the FLARE server).
+_ADAPTER_LEAVES = ("lora_a", "lora_b")
 COMPRESSIONS = ("none", "fp8", "nvfp4")
 # What FedAvg weights each site's update by: its training data (tokens, FedAvg's definition), or
 # the samples it trained this round.
@@ -42,7 +49,12 @@ class UpdateContract:
 
     @property
     def sends_difference(self) -> bool:
-        return self.kind in ("diff", "subset")
+        return self.kind in ("diff", "subset", "adapters")
+
+    @property
+    def frozen_backbone(self) -> bool:
+        """Whether part of the model never trains on a site (and so never travels)."""
+        return self.kind in ("subset", "adapters")
 
 
 def check_contract(c: UpdateContract) -> None:
@@ -72,6 +84,11 @@ _LAYER = re.compile(r"(?:^|/)layers_(\d+)/")
 
 def trainable_paths(c: UpdateContract, paths: list[str], num_layers: int) -> list[str]:
     """The leaf paths a site trains and sends, in `paths`' order."""
+    if c.kind == "adapters":
+        chosen = [p for p in paths if p.rsplit("/", 1)[-1] in _ADAPTER_LEAVES]
+        if not chosen:
+            raise ValueError("update=adapters needs a model with LoRA adapters: set lora_rank > 0")
+        return chosen
     if c.trainable == "all":
         return list(paths)
     if c.trainable == "mlp":

@@ -86,6 +86,7 @@ class BudgetedFedAvg(FedAvg):
         self._round_start = 0.0
         self._values_sent: dict[str, int] = {}
         self._privacy: dict[str, dict] = {}  # each site's newest privacy record
+        self._downlink_bytes = 0  # what each site received in the current round
 
     # --- the global model ---------------------------------------------------------------
 
@@ -132,9 +133,24 @@ class BudgetedFedAvg(FedAvg):
         self._round_start = time.perf_counter()
         if self.ended_in_round is not None:
             return None  # every site failed in an earlier round: the job ends without training
+        sent = self._sent_model(data)
+        self._downlink_bytes = contract_lib.payload_bytes(sent.params)
         return super().send_model(
-            task_name=task_name, data=data, targets=targets,
+            task_name=task_name, data=sent, targets=targets,
             min_responses=self.min_responses or None, timeout=self.round_timeout, callback=callback)
+
+    def _sent_model(self, model: FLModel) -> FLModel:
+        """What a site receives: the global model, or under a frozen backbone (`subset`,
+        `adapters`) only its trained leaves (the sites hold the same backbone). A new FLModel:
+        the global model itself keeps every leaf."""
+        if not self._contract.frozen_backbone:
+            return model
+        from nvfp4_jax.config import make_config  # jax-free: the layer count `last:N` counts from
+
+        layers = make_config(self.run_config).model.base_num_decoder_layers
+        keep = contract_lib.trainable_paths(self._contract, list(model.params), layers)
+        return FLModel(params={k: model.params[k] for k in keep}, params_type=model.params_type,
+                       meta=model.meta, current_round=model.current_round, total_rounds=model.total_rounds)
 
     def _schedule_window(self, round_index: int) -> list[int] | None:
         """The round's window of the learning-rate schedule in global steps: the local steps a
@@ -206,6 +222,9 @@ class BudgetedFedAvg(FedAvg):
             "compute_cv": (statistics.pstdev(seconds) / statistics.mean(seconds)
                            if len(seconds) > 1 and statistics.mean(seconds) > 0 else 0.0),
             "bytes_sent": sum(int(r.get("payload_bytes") or 0) for r in self._reports.values()),
+            # What each site received this round, and what full-model FedAvg moves each way per site.
+            "downlink_bytes_per_site": self._downlink_bytes,
+            "full_model_bytes": contract_lib.payload_bytes(model.params),
         }
         if any(p.get("filter", "none") != "none" for p in self.site_privacy.values()):
             record["privacy"] = self._account(model)

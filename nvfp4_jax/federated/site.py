@@ -34,6 +34,7 @@ from flax import traverse_util
 from nvfp4_jax.config import Config
 from nvfp4_jax.federated.contract import UpdateContract, trainable_paths
 from nvfp4_jax.train import assembly
+from nvfp4_jax.train import params_checkpoint as params_lib
 
 SEP = "/"
 
@@ -61,6 +62,12 @@ def _with_values(params, values: Mapping[str, np.ndarray]):
         else:
             out[name] = leaf
     return traverse_util.unflatten_dict(out, sep=SEP)
+
+
+def initial_state(run: assembly.Run):
+    """The run's fresh state with `load_parameters_path`'s parameters when it names some (a
+    pretrained backbone): the server and every site start from the same model."""
+    return params_lib.load_into(run.cfg.train.load_parameters_path, run.init_state(), run.state_shardings)
 
 
 @dataclasses.dataclass
@@ -107,7 +114,10 @@ class SiteTrainer:
         # The parameter paths decide which leaves train (a frozen backbone keeps the rest as received).
         self.paths = list(traverse_util.flatten_dict(run.abstract_state.params, sep=SEP))
         self.trainable = trainable_paths(contract, self.paths, cfg.model.base_num_decoder_layers)
-        if len(self.trainable) < len(self.paths):
+        if contract.kind == "adapters":
+            if not run.adapters_only:
+                raise ValueError("update=adapters trains the adapters alone: train_params must be auto or adapters")
+        elif len(self.trainable) < len(self.paths):
             chosen = set(self.trainable)
 
             def labels(params):
@@ -117,7 +127,7 @@ class SiteTrainer:
 
             run = run.with_optimizer(optax.multi_transform({"train": base, "frozen": optax.set_to_zero()}, labels))
         self.run = run
-        self.state = run.init_state()
+        self.state = initial_state(run)
         self.data = run.dataset("train")
         self.data_step = 0  # the site's position in its own data, kept across rounds
         # The size of what this site trains on (FedAvg's weight); None for synthetic data.
@@ -170,7 +180,7 @@ class Evaluator:
     def __init__(self, cfg: Config, *, devices=None, num_batches: int | None = None):
         run = assembly.assemble(cfg, devices)
         self.mesh = run.mesh
-        self.state = run.init_state()
+        self.state = initial_state(run)
         self.eval_fn = run.eval_step
         data = run.dataset("eval")
         self.batches = [run.put(data.batch(i)) for i in range(num_batches or cfg.train.eval_steps)]
