@@ -1,7 +1,8 @@
 """Everything that knows FP4/FP8: formats, quantizers, Hadamard transform, recipes, the quantized dot.
 
-Layout (docs/design.md): numerics (`exact`, `formats`, `hadamard`), tensors (`nvfp4`, `mxfp4`,
-`fp8`, with `spec.OperandSpec` describing one GEMM operand), the GEMM (`recipe`, `dot`: the
+Layout (docs/design.md): numerics (`exact`, `formats`, `hadamard`), tensors (`block_tensor`, the
+one block-scaled FP4 type, with its formats `nvfp4` and `mxfp4`; `fp8`; `spec.OperandSpec`
+describing one GEMM operand; `entry.quantize`, the one entry point to every form), the GEMM (`recipe`, `dot`: the
 skeleton, `quantizers`: the quantizer sets, `nvfp4_backend`: the NVFP4 operand-quantizer
 protocol, `flax_dot`, `fp8_delayed`, `backends` with `xla_backend` and
 `te_backend`), and `health`.
@@ -16,8 +17,10 @@ _EXPORTS = {
     "formats": ("E2M1_VALUES", "e2m1_values", "pack_nibbles", "unpack_nibbles"),
     "fp8": ("FP8Tensor", "dequantize_fp8", "quantize_fp8"),
     "hadamard": ("hadamard_matrix", "inverse_random_hadamard_transform", "random_hadamard_transform"),
+    "block_tensor": ("BlockScaledTensor",),
+    "entry": ("FORMATS", "FORMS", "dequantize", "quantize"),
     "mxfp4": ("MXFP4Tensor", "dequantize_mxfp4", "quantize_mxfp4", "quantize_mxfp4_spec"),
-    "nvfp4": ("NVFP4Tensor", "BlockCodes", "dequantize", "gemm_operand", "nvfp4_gemm_operand",
+    "nvfp4": ("NVFP4Tensor", "BlockCodes", "gemm_operand", "nvfp4_gemm_operand",
               "quantize_blocks", "quantize_nvfp4", "unpack_codes"),
     "spec": ("OperandSpec",),
     # The quantized GEMM: recipes, the dot_general seam, its Flax module, FP8 state.
@@ -34,7 +37,7 @@ _EXPORTS = {
     "backends": ("Backend", "BackendChoice", "check_backend_resume", "choose_backend", "make_backend",
                  "resolve_backend"),
 }
-_SUBMODULES = ("exact", "formats", "fp8", "fp8_delayed", "hadamard", "mxfp4", "nvfp4", "spec", "dot",
+_SUBMODULES = ("block_tensor", "entry", "exact", "formats", "fp8", "fp8_delayed", "hadamard", "mxfp4", "nvfp4", "spec", "dot",
                "nvfp4_backend", "quantizers", "flax_dot", "recipe", "te_backend", "xla_backend",
                "backends", "health")
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -13,42 +13,31 @@ the NVFP4 path's hardware-style stochastic rounding (the same noise bytes and ru
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import exact
+from . import block_tensor, exact
 from . import formats as F
 from .hadamard import random_hadamard_transform
 from .spec import OperandSpec
 
 
+@block_tensor.register
 @dataclasses.dataclass(frozen=True)
-class MXFP4Tensor:
-    """An MXFP4-quantized tensor (JAX pytree).
+class MXFP4Tensor(block_tensor.BlockScaledTensor):
+    """An MXFP4-quantized tensor (`block_tensor.BlockScaledTensor`): 1x32 blocks or 32x32
+    tiles, float8_e8m0fnu block scales (NaN when the input was not finite), no per-tensor
+    amax."""
 
-    codes: uint8, two E2M1 codes per byte along `axis` (element 2i in the low nibble).
-    scales: float8_e8m0fnu; 1x32: `shape` with `shape[axis]` divided by 32; 2D: `(M // 32,
-        N // 32)` (NaN when the input was not finite).
-    shape: the logical (unpacked) shape. axis: the packing/block axis (non-negative; the last
-        axis for 2D). two_d: 32x32 tiles. rht: values are in the rotated domain.
-    """
+    BLOCK: ClassVar[int] = F.MXFP4_BLOCK
 
-    codes: jax.Array
-    scales: jax.Array
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    axis: int = dataclasses.field(metadata=dict(static=True))
-    two_d: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return dequantize_mxfp4(self, dtype)
-
-
-jax.tree_util.register_dataclass(
-    MXFP4Tensor, data_fields=["codes", "scales"], meta_fields=["shape", "axis", "two_d", "rht"]
-)
+    def scale_blocks(self, values_blocked, scales_keepdims):
+        # e2m1_value(code) * 2**e, exact; NaN where the scale is NaN
+        e = F.e8m0_exponent(scales_keepdims)
+        return jnp.where(e > F.E8M0_MAX_EXP, jnp.float32(jnp.nan), F.mul_pow2(values_blocked, jnp.minimum(e, 127)))
 
 
 def _scale_exponent(amax_b_bits: jax.Array) -> jax.Array:
@@ -64,25 +53,16 @@ def _scale_exponent(amax_b_bits: jax.Array) -> jax.Array:
     return jnp.where(amax_b_bits == 0, F.E8M0_MIN_EXP, jnp.clip(e, F.E8M0_MIN_EXP, F.E8M0_MAX_EXP))
 
 
-def quantize_mxfp4(
-    x: jax.Array,
-    *,
-    axis: int = -1,
-    two_d: bool = False,
-    rht: bool = False,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-) -> MXFP4Tensor:
-    """Quantize `x` (float32/bfloat16, any rank) to MXFP4 with 32-element blocks along `axis`.
+def quantize_mxfp4(x: jax.Array, *, key: jax.Array | None = None, **spec_fields) -> MXFP4Tensor:
+    """Quantize `x` (float32/bfloat16, any rank) to MXFP4, the spec as `OperandSpec`'s keywords:
 
-    two_d: 32x32 tiles of a 2-D weight, one scale per tile (axis is ignored; codes packed along
-        the last axis). rht: the 16-point Random Hadamard Transform along `axis` first (the
-        WGRAD copies); the result stays in the rotated domain. stochastic: the NVFP4 path's
-        8-bit stochastic rounding with the PRNG `key` (required), else round to nearest even.
-    Non-finite input gives NaN scales everywhere (dequantizes to all NaN).
+    axis (-1): 32-element blocks along it. two_d: 32x32 tiles of a 2-D weight, one scale per
+    tile (axis is ignored; codes packed along the last axis). rht: the 16-point Random Hadamard
+    Transform along `axis` first (the WGRAD copies); the result stays in the rotated domain.
+    stochastic: the NVFP4 path's 8-bit stochastic rounding with the PRNG `key` (required), else
+    round to nearest even. Non-finite input gives NaN scales everywhere (dequantizes to all NaN).
     """
-    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
-    return quantize_mxfp4_spec(x, spec, key, fn="quantize_mxfp4")
+    return quantize_mxfp4_spec(x, OperandSpec(**spec_fields), key, fn="quantize_mxfp4")
 
 
 def quantize_mxfp4_spec(
@@ -106,25 +86,12 @@ def quantize_mxfp4_spec(
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
-    codes = codes.reshape(x.shape)
-
     scales = F.e8m0_from_exponent(e)
     nan = jax.lax.bitcast_convert_type(np.uint8(0xFF), jnp.float8_e8m0fnu)
     scales = jnp.where(F.is_nonfinite_bits(amax_bits), nan, scales)
-    return MXFP4Tensor(
-        codes=F.pack_nibbles(codes, spec.axis),
-        scales=scales.reshape(lay.scale_shape),
-        shape=tuple(x.shape),
-        axis=spec.axis,
-        two_d=spec.two_d,
-        rht=spec.rht,
-    )
+    return MXFP4Tensor.from_codes(codes.reshape(x.shape), scales.reshape(lay.scale_shape), spec)
 
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype=jnp.float32) -> jax.Array:
     """e2m1_value(code) * 2**e; NaN where the scale is NaN (in the rotated domain when `q.rht`)."""
-    lay = F.block_layout(q.shape, q.axis, F.MXFP4_BLOCK, q.two_d)
-    vals = F.e2m1_values(F.unpack_nibbles(q.codes, q.axis)).reshape(lay.blocked)
-    e = F.e8m0_exponent(q.scales).reshape(lay.keepdims)
-    x_hat = jnp.where(e > F.E8M0_MAX_EXP, jnp.float32(jnp.nan), F.mul_pow2(vals, jnp.minimum(e, 127)))
-    return x_hat.reshape(q.shape).astype(dtype)
+    return q.dequantize(dtype)

@@ -9,50 +9,31 @@ backend's operands, the Pallas kernels' per-tensor factors and the health statis
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import exact
+from . import block_tensor, exact
 from . import formats as F
-from .fp8 import FP8Tensor, dequantize_fp8
 from .hadamard import random_hadamard_transform
-from .mxfp4 import MXFP4Tensor, dequantize_mxfp4
 from .spec import OperandSpec
 
 
+@block_tensor.register
 @dataclasses.dataclass(frozen=True)
-class NVFP4Tensor:
-    """An NVFP4-quantized tensor (a JAX pytree; metadata fields are static).
+class NVFP4Tensor(block_tensor.BlockScaledTensor):
+    """An NVFP4-quantized tensor (`block_tensor.BlockScaledTensor`): 1x16 blocks or 16x16 tiles,
+    float8_e4m3fn block scales, and `amax`, the float32 per-tensor amax the scales were
+    encoded with (after the RHT when `rht`; NaN when the input was not finite)."""
 
-    codes:  uint8, two E2M1 codes per byte along `axis` (element 2i in the low nibble);
-            `shape` with `shape[axis]` halved.
-    scales: float8_e4m3fn block scales; 1x16: `shape` with `shape[axis]` divided by 16;
-            2D: `(M // 16, N // 16)`.
-    amax:   float32 scalar, the per-tensor amax used (after the RHT when `rht`); NaN when the
-            input was not finite.
-    shape:  the logical (unpacked) shape. axis: the packing/block axis (non-negative; the last
-            axis for 2D). two_d: 16x16 tiles. rht: values are in the rotated domain.
-    """
+    BLOCK: ClassVar[int] = F.NVFP4_BLOCK
 
-    codes: jax.Array
-    scales: jax.Array
-    amax: jax.Array
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    axis: int = dataclasses.field(metadata=dict(static=True))
-    two_d: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return _dequantize_nvfp4(self, dtype)
-
-
-jax.tree_util.register_dataclass(
-    NVFP4Tensor, data_fields=["codes", "scales", "amax"], meta_fields=["shape", "axis", "two_d", "rht"]
-)
+    def scale_blocks(self, values_blocked, scales_keepdims):
+        # spec section 3, in this order: e2m1_value(code) * float(s_b) * (amax / 2688)
+        return (values_blocked * F.fp8_to_f32(scales_keepdims)) * decode_scale(self.amax)
 
 
 # --- argument checks --------------------------------------------------------------------------
@@ -274,42 +255,26 @@ def gemm_operand_group(items, *, fn: str = "gemm_operand_group"):
             for q, (x, _, _) in zip(quantize_blocks_group(items, fn=fn), items)]
 
 
-# --- public API -------------------------------------------------------------------------------
+# --- the keyword forms -----------------------------------------------------------------------
 
 
-def nvfp4_gemm_operand(
-    x: jax.Array,
-    *,
-    axis: int = -1,
-    two_d: bool = False,
-    rht: bool = False,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """NVFP4-quantize `x` into the unpacked form an emulated GEMM consumes.
+def nvfp4_gemm_operand(x: jax.Array, *, key: jax.Array | None = None, **spec_fields) -> tuple[jax.Array, jax.Array]:
+    """NVFP4-quantize `x` into the unpacked form an emulated GEMM consumes (`gemm_operand`),
+    the spec given as `OperandSpec`'s keywords (`axis=-1, two_d, rht, stochastic`).
 
     Returns `(values, decode_scale)`: `values` has x's shape (rotated when `rht`), bfloat16,
     equal exactly to `e2m1_value(code) * scale_b`; `decode_scale` is the float32 scalar
     `amax / 2688`. Bitwise, `values.astype(f32) * decode_scale ==
     dequantize(quantize_nvfp4(x, same args))`. Non-finite input gives NaN values.
-    Arguments as for `quantize_nvfp4`.
     """
-    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
-    return gemm_operand(x, spec, key, fn="nvfp4_gemm_operand")
+    return gemm_operand(x, OperandSpec(**spec_fields), key, fn="nvfp4_gemm_operand")
 
 
-def quantize_nvfp4(
-    x: jax.Array,
-    *,
-    axis: int = -1,
-    two_d: bool = False,
-    rht: bool = False,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-) -> NVFP4Tensor:
-    """Quantize `x` to NVFP4 exactly as Transformer Engine 2.14+ does.
+def quantize_nvfp4(x: jax.Array, *, key: jax.Array | None = None, **spec_fields) -> NVFP4Tensor:
+    """Quantize `x` to NVFP4 exactly as Transformer Engine 2.14+ does (the storage form).
 
-    x: float32 or bfloat16, any rank. Blocks of 16 run along `axis` (1x16 scaling).
+    x: float32 or bfloat16, any rank. The spec as `OperandSpec`'s keywords:
+    axis (-1): blocks of 16 run along it (1x16 scaling).
     two_d: 16x16 tiles of a 2-D weight (axis is ignored; codes packed along the last axis).
     rht: apply the 16-point Random Hadamard Transform along `axis` first (WGRAD operands);
         the result stays in the rotated domain and `amax` is taken after the transform.
@@ -317,55 +282,15 @@ def quantize_nvfp4(
     A tensor containing NaN or Inf quantizes to one that dequantizes to all NaN.
     Raises ValueError on bad shapes, dtypes or argument combinations.
     """
-    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
+    spec = OperandSpec(**spec_fields)
     return pack(x.shape, quantize_blocks(x, spec, key, fn="quantize_nvfp4"), spec)
 
 
 def pack(shape, q: BlockCodes, spec: OperandSpec) -> NVFP4Tensor:
-    """The storage form (`NVFP4Tensor`) of the block quantizer's result for `spec` (its axis
-    normalized, as `check_operand` returns it)."""
-    axis = 1 if spec.two_d else F.normalize_axis(spec.axis, len(shape), "pack")
-    return NVFP4Tensor(
-        codes=F.pack_nibbles(q.codes.reshape(shape), axis),
-        scales=q.scales,
-        amax=q.amax,
-        shape=tuple(shape),
-        axis=axis,
-        two_d=spec.two_d,
-        rht=spec.rht,
-    )
+    """The storage form (`NVFP4Tensor`) of the block quantizer's result for `spec`."""
+    return NVFP4Tensor.from_codes(q.codes.reshape(shape), q.scales, spec, amax=q.amax)
 
 
 def unpack_codes(q: NVFP4Tensor) -> jax.Array:
     """The E2M1 codes (uint8, 0..15) of `q` in its logical shape."""
-    return F.unpack_nibbles(q.codes, q.axis)
-
-
-def _dequantize_nvfp4(q: NVFP4Tensor, dtype) -> jax.Array:
-    lay = _layout(q.shape, q.axis, q.two_d)
-    vals = F.e2m1_values(unpack_codes(q)).reshape(lay.blocked)
-    s_b = F.fp8_to_f32(q.scales).reshape(lay.keepdims)
-    x_hat = (vals * s_b) * decode_scale(q.amax)  # spec section 3, in this order
-    return x_hat.reshape(q.shape).astype(dtype)
-
-
-_DEQUANTIZERS = {
-    NVFP4Tensor: _dequantize_nvfp4,
-    MXFP4Tensor: dequantize_mxfp4,
-    FP8Tensor: dequantize_fp8,
-}
-
-
-def dequantize(q, dtype=jnp.float32) -> jax.Array:
-    """Dequantize an NVFP4Tensor, MXFP4Tensor or FP8Tensor (dispatch on its type).
-
-    NVFP4 (spec section 3): e2m1_value(code) * float(scale_b) * (amax / 2688), in that order;
-    in the rotated domain when the tensor was quantized with `rht=True`.
-    """
-    fn = _DEQUANTIZERS.get(type(q))
-    if fn is None:
-        raise ValueError(
-            f"dequantize: q has type {type(q).__name__}; expected one of "
-            f"{', '.join(t.__name__ for t in _DEQUANTIZERS)}"
-        )
-    return fn(q, dtype)
+    return q.unpack_codes()

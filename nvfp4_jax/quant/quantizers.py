@@ -14,7 +14,7 @@ from nvfp4_jax.quant import formats as F
 from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.fp8 import quantize_fp8
 from nvfp4_jax.quant.mxfp4 import quantize_mxfp4_spec
-from nvfp4_jax.quant.nvfp4 import dequantize
+from nvfp4_jax.quant.entry import dequantize
 from nvfp4_jax.quant.nvfp4_backend import EMULATED, SR_DGRAD, SR_WGRAD, NVFP4Backend, bf16_gemm
 from nvfp4_jax.quant.recipe import Recipe, operand_specs, recipe_name
 from nvfp4_jax.quant.spec import OperandSpec

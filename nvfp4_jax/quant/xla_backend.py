@@ -117,23 +117,14 @@ def block_scaled_operand_group(items, *, fn: str = "block_scaled_operand_group")
     return [_operand(x, spec, q, fn) for q, (x, spec, _) in zip(blocks, items)]
 
 
-def xla_operand(
-    x: jax.Array,
-    *,
-    axis: int = -1,
-    two_d: bool = False,
-    rht: bool = False,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-) -> BlockScaledOperand:
+def xla_operand(x: jax.Array, *, key: jax.Array | None = None, **spec_fields) -> BlockScaledOperand:
     """`block_scaled_operand` with `quantize_nvfp4`'s keyword arguments.
 
     The codes and scales are bitwise those of `quantize_nvfp4(x, same args)`, so
     `codes * scales * decode` equals `nvfp4_gemm_operand`'s `values * decode_scale` (transposed
     to the view's layout).
     """
-    spec = OperandSpec(axis=axis, two_d=two_d, rht=rht, stochastic=stochastic)
-    return block_scaled_operand(x, spec, key, fn="xla_operand")
+    return block_scaled_operand(x, OperandSpec(**spec_fields), key, fn="xla_operand")
 
 
 def scaled_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
