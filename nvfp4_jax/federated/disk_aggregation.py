@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 from nvflare.apis.fl_constant import FLMetaKey
@@ -44,10 +45,17 @@ class DiskWeightedAggregator(ModelAggregator):
         self._weights: dict[str, float] = {}
         self._params_type = None
         self.contributors: list[str] = []
+        # FLARE may deliver two sites' results on two threads: one update is added at a time
+        # (a sum's chunk is read, added to and written back), as WeightedAggregationHelper locks.
+        self._lock = threading.RLock()
 
     # --- FLARE's ModelAggregator --------------------------------------------------------
 
     def reset_stats(self):
+        with self._lock:
+            self._reset()
+
+    def _reset(self):
         self._remove()
         self._leaves, self._weights, self._params_type, self.contributors = {}, {}, None, []
         self.bytes_on_disk = 0
@@ -60,15 +68,19 @@ class DiskWeightedAggregator(ModelAggregator):
         self.add(model.params, weight, str(meta.get("client_name") or meta.get(FLMetaKey.CLIENT_NAME, "?")))
 
     def aggregate_model(self) -> FLModel:
-        params = self.mean()
-        model = FLModel(params=params, params_type=self._params_type)
-        self.reset_stats()
-        return model
+        with self._lock:
+            model = FLModel(params=self._mean(), params_type=self._params_type)
+            self._reset()
+            return model
 
     # --- the sum on disk ----------------------------------------------------------------
 
     def add(self, params: dict, weight: float, contributor: str = "?") -> None:
         """Adds `weight * params` to the running sum, leaf by leaf, chunk by chunk."""
+        with self._lock:
+            self._add(params, weight, contributor)
+
+    def _add(self, params: dict, weight: float, contributor: str) -> None:
         if self.directory is None:
             if self.root:
                 os.makedirs(self.root, exist_ok=True)
@@ -113,6 +125,10 @@ class DiskWeightedAggregator(ModelAggregator):
 
     def mean(self) -> dict:
         """The weighted mean of what was added: each leaf's sum times 1 / its summed weight."""
+        with self._lock:
+            return self._mean()
+
+    def _mean(self) -> dict:
         out = {}
         for key, (path, shape, dtype) in self._leaves.items():
             scale = 1.0 / self._weights[key]

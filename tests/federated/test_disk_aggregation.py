@@ -77,6 +77,22 @@ def test_adding_an_update_holds_one_chunk_not_a_model_sized_sum(tmp_path):
     assert np.array_equal(aggregator.mean()["w"], np.ones((1 << 20,), np.float32))
 
 
+def test_updates_added_on_two_threads_are_both_summed(tmp_path):
+    import threading
+
+    from nvfp4_jax.federated.disk_aggregation import DiskWeightedAggregator
+
+    # Small integers: every sum is exact in float32 in any order, so a lost update would show.
+    aggregator = DiskWeightedAggregator(root=str(tmp_path), chunk_bytes=64)
+    threads = [threading.Thread(target=aggregator.add, args=({"w": np.full((50_000,), float(i), np.float32)}, 1.0))
+               for i in (1, 2, 3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert np.array_equal(aggregator.mean()["w"], np.full((50_000,), 2.5, np.float32))
+
+
 def test_an_update_of_another_shape_is_one_line_error(tmp_path):
     from nvfp4_jax.federated.disk_aggregation import DiskWeightedAggregator
 
