@@ -46,8 +46,9 @@ Options:
                             trained in the round (leans toward the sites given more)
   --min-responses M         a round completes with M results (default: all sites)
   --round-timeout S         seconds a round waits for results (default 0: forever)
-  --disk-offload            FedAvg aggregates large updates through disk (FLARE)
-  --stream-tensors          FLARE tensor streaming for the model exchange (big models)
+  --disk-offload            the server keeps each round's running sum of the updates in files
+                            on disk, not in memory (docs/federated.md, "Big models")
+  --stream-tensors          FLARE tensor streaming for the model exchange (big models; needs torch)
   --env E                   sim | poc (default sim): run the job in FLARE's simulator, or in
                             FLARE's POC mode (a server and one client process per site on
                             loopback, through the admin API; docs/federated.md)

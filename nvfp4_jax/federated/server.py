@@ -9,6 +9,12 @@
   `weighting` (`data`, FedAvg's definition: the site's training tokens; `samples`: the samples it
   trained this round, which under adaptive budgets leans toward the fast sites); an empty or
   non-finite result (a site that failed) is left out of the average, never mixed into it;
+- `--disk-offload` (`enable_tensor_disk_offload`): the running weighted sum lives in
+  memory-mapped files (`disk_aggregation.DiskWeightedAggregator`, FedAvg's `aggregator`) in a
+  directory under `<output_dir>/.aggregation` that exists only during a round, not in the
+  server's memory; FLARE's own tensor disk offload is passed on too (it applies only to streamed
+  PyTorch tensors, and this project sends NumPy). `federated.json` records `aggregation`
+  (`disk` or `memory`) and each round's `aggregation_disk_bytes`;
 - `update_model`: the new global model is evaluated on the held-out set, each site's privacy
   spending is accounted (`accounting.py`), the round is printed and recorded in
   `<output_dir>/federated.json`. A round in which every site failed leaves the global model as
@@ -33,6 +39,7 @@ from nvflare.app_common.workflows.fedavg import FedAvg
 from nvfp4_jax.federated import accounting
 from nvfp4_jax.federated import budget as budget_lib
 from nvfp4_jax.federated import contract as contract_lib
+from nvfp4_jax.federated.disk_aggregation import DiskWeightedAggregator
 
 META_KEY = "nvfp4_jax"
 
@@ -60,8 +67,11 @@ class BudgetedFedAvg(FedAvg):
         dp_delta: float = 1e-5,
         weighting: str = "data",
     ):
+        aggregator = None
+        if enable_tensor_disk_offload:
+            aggregator = DiskWeightedAggregator(root=os.path.join(output_dir, ".aggregation") if output_dir else "")
         super().__init__(num_clients=len(site_names), num_rounds=num_rounds, persistor_id="",
-                         enable_tensor_disk_offload=enable_tensor_disk_offload)
+                         aggregator=aggregator, enable_tensor_disk_offload=enable_tensor_disk_offload)
         self.run_config = run_config
         self.site_names = list(site_names)
         self.budget_policy = dict(budget_policy or {})
@@ -112,6 +122,13 @@ class BudgetedFedAvg(FedAvg):
         tmp = path + ".tmp.npz"
         np.savez(tmp, **{k: np.asarray(v) for k, v in model.params.items()})
         os.replace(tmp, path)  # a crash mid-save leaves the previous round's model intact
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            if self.aggregator is not None:
+                self.aggregator.reset_stats()  # an aborted round leaves no files behind
 
     # --- one round ------------------------------------------------------------------------
 
@@ -226,6 +243,8 @@ class BudgetedFedAvg(FedAvg):
             "downlink_bytes_per_site": self._downlink_bytes,
             "full_model_bytes": contract_lib.payload_bytes(model.params),
         }
+        if self.aggregator is not None:
+            record["aggregation_disk_bytes"] = self.aggregator.last_round_bytes  # the running sum's files
         if any(p.get("filter", "none") != "none" for p in self.site_privacy.values()):
             record["privacy"] = self._account(model)
         self._emit(record)
@@ -271,6 +290,7 @@ class BudgetedFedAvg(FedAvg):
             with open(path + ".tmp", "w") as f:
                 json.dump({"policy": dataclasses.asdict(self._policy), "contract": self.update_contract,
                            "weighting": self.weighting, "ended_in_round": self.ended_in_round,
+                           "aggregation": "memory" if self.aggregator is None else "disk",
                            "privacy": {"delta": self.dp_delta, "sites": self.site_privacy},
                            "rounds": self._history}, f, indent=1, default=float)
             os.replace(path + ".tmp", path)

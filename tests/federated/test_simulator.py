@@ -62,6 +62,10 @@ def test_tensor_streaming_and_disk_offloaded_aggregation(tmp_path):
                        "--stream-tensors", "--disk-offload")
     assert [r["round"] for r in result["rounds"]] == [0, 1]
     assert result["rounds"][1]["validation_loss"] < result["rounds"][0]["validation_loss"]
+    # The server summed the round's updates in model-sized files on disk, and removed them.
+    assert result["aggregation"] == "disk"
+    assert result["rounds"][1]["aggregation_disk_bytes"] == result["rounds"][1]["full_model_bytes"] > 0
+    assert os.listdir(tmp_path / "federated" / ".aggregation") == []
 
 
 def test_gaussian_privacy_is_accounted_per_site_every_round(tmp_path):
