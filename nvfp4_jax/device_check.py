@@ -19,7 +19,6 @@ accumulation-order tolerance; their operands bitwise.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax import kernels
+from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail, parse_command
 from nvfp4_jax.bitwise import bit_diff
 from nvfp4_jax.kernels.select import SELF_CHECK_COPIES, kernels_vs_reference
 from nvfp4_jax.nvfp4_spec import ref_quantize, ref_rht_last_axis, spread_data, tie_rich_data
@@ -336,12 +336,21 @@ def check_kernel_selection():
 # --- driver -------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> CommandParser:
+    ap = CommandParser("device_check")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="smaller tensors (for a CPU dry run)")
     ap.add_argument("--skip-kernels", action="store_true", help="leave out the Pallas kernel checks")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_command(_parser(), argv, __doc__, help_when_empty=False)
+    except ValueError as exc:  # a usage mistake: one line, exit 2
+        return fail(exc, Exit.BAD_INPUT, debug=debug_requested(argv))
+    if args is None:
+        return Exit.OK
     out_dir = args.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu")
     accel, cpu = devices()
 

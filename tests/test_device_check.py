@@ -98,3 +98,10 @@ def test_command_runs_every_check_on_cpu(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert proc.returncode == 0 and report["failed"] == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["passed"] == len(report["checks"]) > 50
+
+
+def test_a_usage_mistake_is_one_error_line_and_exit_2(capsys):
+    assert dc.main(["--quick", "--bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unrecognized arguments: --bogus") and "\n" not in err, err
+    assert dc.main(["--help"]) == 0 and "python -m nvfp4_jax.device_check" in capsys.readouterr().out
