@@ -5,7 +5,7 @@ Run by FLARE (`ScriptRunner`), one per site, with the site's own arguments:
   --data-path PATH      this site's training text (`dataset_type=text`); empty: the config's data
   --devices K           local devices this site trains on (FSDP over them); 0: all
   --slowdown F          experiments: stretch compute time by F (a slower site), >= 1
-  --watts W             experiments: energy model, joules = W x busy seconds (no power meter)
+  --watts W             energy model, joules = W x busy seconds, where no counter is readable
   --crash-in-round R    fault injection for tests: raise in round R
 """
 
@@ -91,7 +91,7 @@ def _train_round(args, site, spec, received, state):
     payload, shapes, state["residual"] = contract_lib.encode(update, contract.compression, state["residual"])
     report = {
         "samples": result.samples, "steps": result.steps, "seconds": result.seconds,
-        "joules": result.joules, "train_loss": result.train_loss, "shapes": shapes,
+        "joules": result.joules, "energy_source": result.energy_source, "train_loss": result.train_loss, "shapes": shapes,
         "payload_bytes": contract_lib.payload_bytes(payload),
         "data_tokens": getattr(state["trainer"], "data_tokens", None),
     }

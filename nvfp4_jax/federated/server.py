@@ -197,7 +197,7 @@ class BudgetedFedAvg(FedAvg):
             return False
         self._values_sent[site] = sum(int(np.size(v)) for v in result.params.values())
         self._reports[site] = {k: report.get(k) for k in
-                               ("samples", "steps", "seconds", "joules", "payload_bytes", "train_loss",
+                               ("samples", "steps", "seconds", "joules", "energy_source", "payload_bytes", "train_loss",
                                 "data_tokens")}
         weight = self._weight(report)
         self._reports[site]["weight"] = weight

@@ -16,8 +16,9 @@ than running ahead of the others (Adam's own step count stays the site's). Witho
 schedule counts the site's local steps.
 
 Heterogeneity for experiments: `slowdown` stretches the site's measured compute time by that
-factor (the site sleeps for the difference, as a slower device would keep it busy), and energy is
-a stated model, `watts x busy seconds`, where no power meter is read.
+factor (the site sleeps for the difference, as a slower device would keep it busy). Energy is read
+from the platform's counter where it has one (NVML on GPUs, RAPL on CPUs), else it is the stated
+model `watts x busy seconds`; each round says which (`energy.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import optax
 from flax import traverse_util
 
 from nvfp4_jax.config import Config
+from nvfp4_jax.federated import energy as energy_lib
 from nvfp4_jax.federated.contract import UpdateContract, trainable_paths
 from nvfp4_jax.train import assembly
 from nvfp4_jax.train import params_checkpoint as params_lib
@@ -78,6 +80,7 @@ class RoundResult:
     seconds: float  # busy time (compute, stretched by the slowdown)
     joules: float | None
     train_loss: float | None
+    energy_source: str | None = None  # "nvml" | "rapl" (a counter) | "model" (watts x seconds) | None
 
 
 def schedule_positions(window: tuple[int, int], steps: int) -> list[int]:
@@ -110,6 +113,10 @@ class SiteTrainer:
         self.cfg, self.contract, self.slowdown, self.watts = cfg, contract, slowdown, watts
         run = assembly.assemble(cfg, devices)
         self.mesh, self.global_batch = run.mesh, run.global_batch
+        site_devices = list(run.mesh.devices.flat)
+        self.energy = energy_lib.RoundEnergy(
+            energy_lib.site_meter(site_devices[0].platform,
+                                  [getattr(d, "local_hardware_id", d.id) for d in site_devices]), watts)
         base = run.optimizer
         # The parameter paths decide which leaves train (a frozen backbone keeps the rest as received).
         self.paths = list(traverse_util.flatten_dict(run.abstract_state.params, sep=SEP))
@@ -154,6 +161,7 @@ class SiteTrainer:
         self.state = self.state.replace(params=_with_values(self.state.params, global_params))
         steps = samples // self.global_batch
         positions = schedule_positions(schedule_window, steps) if schedule_window is not None else None
+        self.energy.start()
         start = time.perf_counter()
         losses = []
         for j in range(steps):
@@ -166,11 +174,11 @@ class SiteTrainer:
         if self.slowdown > 1.0:
             time.sleep(compute * (self.slowdown - 1.0))
         seconds = compute * self.slowdown
+        joules, energy_source = self.energy.joules(seconds)
         flat = flat_params(self.state.params)
         return RoundResult(
             params={k: flat[k] for k in self.trainable}, steps=steps, samples=samples, seconds=seconds,
-            joules=None if self.watts is None else self.watts * seconds,
-            train_loss=float(np.mean(losses)) if losses else None,
+            joules=joules, train_loss=float(np.mean(losses)) if losses else None, energy_source=energy_source,
         )
 
 

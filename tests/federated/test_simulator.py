@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("nvflare")
+
+from nvfp4_jax.federated.energy import rapl_meter  # noqa: E402
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +28,8 @@ def _run(tmp_path, *args):
 
 def test_three_sites_two_rounds_adaptive(tmp_path):
     out, result = _run(tmp_path, "--sites", "3", "--rounds", "2", "--budget", "adaptive",
-                       "--samples-per-round", "12", "--slowdown", "1,1,3", "--compression", "nvfp4")
+                       "--samples-per-round", "12", "--slowdown", "1,1,3", "--compression", "nvfp4",
+                       "--watts", "100,100,50")
     rounds = result["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     lines = [l for l in out.splitlines() if l.startswith("[federated] round")]
@@ -34,6 +37,13 @@ def test_three_sites_two_rounds_adaptive(tmp_path):
     for r in rounds[1:]:
         assert sum(r["budgets"].values()) == 12 and min(r["budgets"].values()) >= 1
         assert all(not s.get("failed") for s in r["sites"].values())
+        # Without a readable counter (RAPL) each site's joules are its stated watts x busy seconds.
+        for name, watts in (("site-1", 100), ("site-2", 100), ("site-3", 50)):
+            site = r["sites"][name]
+            if rapl_meter() is not None:
+                assert site["energy_source"] == "rapl" and site["joules"] >= 0
+            else:
+                assert site["energy_source"] == "model" and site["joules"] == pytest.approx(watts * site["seconds"])
         # NVFP4 differences: about 4.5 bits a value on the wire, well under fp32's 32.
         values = sum(np.load(tmp_path / "federated" / "global_model.npz")[k].size
                      for k in np.load(tmp_path / "federated" / "global_model.npz").files)
