@@ -30,7 +30,7 @@ def test_the_schema_types_its_choice_keys_and_validation_checks_exactly_those_ch
     assert set(fields) == {
         "attention_quantization", "quantization_backend", "quant_kernels", "attention",
         "context_parallel_strategy", "remat_policy", "dataset_type", "tokenizer_type", "profiler",
-        "eval_quantization", "train_params"}
+        "eval_quantization", "train_params", "model_type"}
     assert fields["attention"] == choices.ATTENTION_KERNELS
     assert fields["quantization_backend"] == BACKENDS and fields["quant_kernels"] == QUANT_KERNELS
     for name, options in fields.items():
