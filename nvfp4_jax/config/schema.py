@@ -101,6 +101,11 @@ class ModelConfig:
         return self.vision_quantization or self.quantization or "bf16"
 
     @property
+    def text_length(self) -> int:
+        """Text tokens per row: max_target_length, less the image tokens of model_type=vlm."""
+        return self.max_target_length - (self.num_patches if self.model_type == "vlm" else 0)
+
+    @property
     def num_patches(self) -> int:
         """Image tokens ahead of the text (model_type=vlm)."""
         return (self.image_size // self.patch_size) ** 2

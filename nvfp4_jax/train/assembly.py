@@ -161,8 +161,10 @@ class Run:
     def dataset(self, split: str):
         """The run's `split` ("train" or "eval") data, batched to the global batch."""
         m = self.cfg.model
-        return data_lib.make_dataset(self.cfg.data, seq_len=m.max_target_length, global_batch_size=self.global_batch,
-                                     seed=self.cfg.train.seed, split=split, vocab_size=m.vocab_size)
+        image_shape = (m.image_size, m.image_size, m.image_channels) if m.model_type == "vlm" else None
+        return data_lib.make_dataset(self.cfg.data, seq_len=m.text_length, global_batch_size=self.global_batch,
+                                     seed=self.cfg.train.seed, split=split, vocab_size=m.vocab_size,
+                                     image_shape=image_shape)
 
     def put(self, local_batch: dict) -> dict:
         """This process's rows of a global batch, assembled into sharded arrays."""
