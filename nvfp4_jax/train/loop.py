@@ -332,7 +332,9 @@ class _Segment:
                 final_eval = evaluate(reached, state, log=reached > start or not (
                     writer and writer.has(reached, "eval_perplexity")))
                 if m.model_type == "vlm":
-                    vqa = vqa_lib.vqa_scores(parts, state, self.eval_data)
+                    # Through the forward pass the run ends with (BF16 after quantization_end_step).
+                    model = parts.model if quantizes_after(cfg, reached) else parts.bf16_model
+                    vqa = vqa_lib.vqa_scores(model, state, self.eval_data)
                     self.console.info(f"held-out VQA at step {reached}: accuracy {vqa['vqa_accuracy']:.3f} "
                                       f"(chance {vqa['vqa_chance']:.3f}, {vqa['vqa_questions']} questions)")
             else:

@@ -76,13 +76,13 @@ def greedy_answers(model, variables, data: ImageTextBatches, examples: Sequence[
     return out
 
 
-def vqa_scores(run, state, data: ImageTextBatches) -> dict[str, float | int]:
+def vqa_scores(model, state, data: ImageTextBatches) -> dict[str, float | int]:
     """`vqa_accuracy` (greedy exact match), `vqa_chance` and `vqa_questions` of `data`'s examples,
-    answered by `run.model` with `state`'s parameters."""
+    answered by `model` (a VLM) with `state`'s parameters."""
     examples = data.examples
     variables = {"params": state.params, **state.fp8_meta}
-    with build.backend_scope(run.model):
-        answers = greedy_answers(run.model, variables, data, examples, state.rng)
+    with build.backend_scope(model):
+        answers = greedy_answers(model, variables, data, examples, state.rng)
     right = sum(exact_match(a, e.answer) for a, e in zip(answers, examples))
     return {"vqa_accuracy": right / len(examples), "vqa_chance": vqa_chance(examples),
             "vqa_questions": len(examples)}

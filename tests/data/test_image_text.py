@@ -10,6 +10,7 @@ import pytest
 from nvfp4_jax.config import make_config
 from nvfp4_jax.data import DataError, make_dataset
 from nvfp4_jax.data import digits
+from nvfp4_jax.data.fingerprint import data_entries
 from nvfp4_jax.data.image_batches import Example, pixel_hash, split_images, text_row
 from nvfp4_jax.data.packing import BATCH_KEYS
 from nvfp4_jax.train.vqa import exact_match, vqa_chance
@@ -100,6 +101,7 @@ def test_the_users_npy_and_png_images_read_with_a_jsonl(tmp_path):
     train, held = (make_dataset(cfg.data, split=s, **kw) for s in ("train", "eval"))
     assert len(train.examples) + len(held.examples) == 6 and len(held.examples) == 2
     np.testing.assert_allclose(train.images[3, 0, 0, 0], 120 / 255, rtol=1e-6)  # PNG pixels, as the .npy's
+    assert [e["path"] for e in data_entries(cfg.data)] == [str(path)]  # a resume notices a changed JSONL
     with pytest.raises(DataError, match=r"images are \(8, 8, 1\).*image_size and image_channels"):
         make_dataset(cfg.data, split="train", **{**kw, "image_shape": (4, 4, 1)})
     bad = _write_examples(tmp_path, [{"image": "im0.npy", "prompt": "p"}])
