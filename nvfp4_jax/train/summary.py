@@ -22,7 +22,8 @@ class SegmentOutcome:
     history: list  # this segment's step records
     segment: int | None  # metrics.jsonl's segment number (None on a process that does not write)
     last_checkpoint_step: int | None
-    # model_type=vlm: the held-out questions' vqa_accuracy, vqa_chance, vqa_questions (train/vqa.py).
+    # model_type=vlm: the held-out questions' vqa_accuracy, vqa_chance, vqa_questions and both
+    # per question type (train/vqa.py).
     vqa: dict[str, Any] | None = None
 
 

@@ -6,6 +6,7 @@ likely byte, appended and fed back, up to the longest reference answer (with its
 An answer is right when its bytes up to and including the first "\\n" are the reference's.
 `vqa_chance` gives each question type its most frequent held-out answer and counts how often
 that constant is right: `sum over types of (count of the type's commonest answer) / examples`.
+Both are also given per question type (`vqa_accuracy_by_type`, `vqa_chance_by_type`).
 """
 
 from __future__ import annotations
@@ -83,9 +84,13 @@ def vqa_scores(model, state, data: ImageTextBatches) -> dict[str, float | int]:
     variables = {"params": state.params, **state.fp8_meta}
     with build.backend_scope(model):
         answers = greedy_answers(model, variables, data, examples, state.rng)
-    right = sum(exact_match(a, e.answer) for a, e in zip(answers, examples))
-    return {"vqa_accuracy": right / len(examples), "vqa_chance": vqa_chance(examples),
-            "vqa_questions": len(examples)}
+    right = [exact_match(a, e.answer) for a, e in zip(answers, examples)]
+    kinds = sorted({e.kind for e in examples})
+    return {"vqa_accuracy": sum(right) / len(examples), "vqa_chance": vqa_chance(examples),
+            "vqa_questions": len(examples),
+            "vqa_accuracy_by_type": {k: float(np.mean([r for r, e in zip(right, examples) if e.kind == k]))
+                                     for k in kinds},
+            "vqa_chance_by_type": {k: vqa_chance([e for e in examples if e.kind == k]) for k in kinds}}
 
 
 __all__ = ["ANSWER_END", "exact_match", "greedy_answers", "vqa_chance", "vqa_scores"]

@@ -123,3 +123,15 @@ def test_the_vision_keys_are_checked_with_one_line_errors():
         make_config({**TINY, "quantization": "te_nvfp4", "patch_size": 4})
     with pytest.raises(ConfigError, match=r"^max_target_length=16 is not allowed: must exceed the 16 image"):
         make_config({**TINY, "max_target_length": 16})
+
+
+def test_the_parameter_count_counts_every_vlm_parameter(bf16_model):
+    from nvfp4_jax.flops import parameter_count, training_flops_per_step
+
+    cfg, _, variables = bf16_model
+    sizes = jax.tree.leaves(jax.tree.map(lambda a: a.size, jax.tree.map(lambda x: x, variables["params"])))
+    assert parameter_count(cfg) == sum(sizes)
+    text = make_config({k: v for k, v in TINY.items() if k not in ("model_type", "dataset_type")}).model
+    # The vision tower adds FLOPs in proportion to the batch's images.
+    extra = [training_flops_per_step(cfg, b, 32) - training_flops_per_step(text, b, 32) for b in (1, 2)]
+    assert extra[0] > 0 and extra[1] == pytest.approx(2 * extra[0])

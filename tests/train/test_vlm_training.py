@@ -38,3 +38,5 @@ def test_a_short_vlm_run_answers_held_out_questions_better_than_chance(tmp_path)
     assert written["vqa_questions"] == summary["vqa_questions"] > 1000
     assert 0.2 < written["vqa_chance"] < 0.5
     assert written["vqa_accuracy"] > written["vqa_chance"] + 0.1, written
+    assert set(written["vqa_accuracy_by_type"]) == {"digit", "parity", "greater", "caption"}
+    assert written["vqa_chance_by_type"]["digit"] < 0.15  # ten digits, about evenly many
