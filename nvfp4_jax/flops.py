@@ -21,6 +21,15 @@ per-device figure, and by step time for TFLOP/s/device.
 LoRA adapters (`lora_rank` r > 0) add `2 * T * r * (k + n)` a forward pass for each targeted
 [k, n] projection, trained (x3). A frozen backbone (`frozen_backbone=True`) computes no weight
 gradient of its kernels and LM head: those GEMMs count x2 (forward and input gradient), not x3.
+
+The VLM (`model_type=vlm`, model/vlm.py) adds its vision tower over Tv = global_batch_size * P
+image tokens (P = num_patches, Q = patch_size^2 * image_channels pixels a patch, E =
+vision_emb_dim, Fv = vision_mlp_dim, Nv = vision_num_layers), trained (x3); its attention is
+bidirectional (not halved). The decoder's count above runs over the whole row (seq_len =
+max_target_length, image tokens included):
+
+    vision = 2 * Tv * Q * E + (2 * Tv * E * Fv * 3 + 2 * Tv * 4 * E^2 + 4 * Tv * P * E) * Nv
+             + 2 * Tv * (E * D + D * D)    patch embedding, encoder layers, projector
 """
 
 from __future__ import annotations
@@ -36,7 +45,16 @@ def parameter_count(cfg: ModelConfig) -> int:
     mlp = 3 * D * F
     norms = 2 * D
     adapters = sum(cfg.lora_rank * (k + n) for k, n in _adapted_shapes(cfg))
-    return cfg.base_num_decoder_layers * (attention + mlp + norms + adapters) + 2 * cfg.vocab_size * D + D
+    decoder = cfg.base_num_decoder_layers * (attention + mlp + norms + adapters) + 2 * cfg.vocab_size * D + D
+    return decoder + (_vision_parameters(cfg) if cfg.model_type == "vlm" else 0)
+
+
+def _vision_parameters(cfg: ModelConfig) -> int:
+    """The VLM's encoder and projector parameters (model/vision.py)."""
+    E, Fv, D = cfg.vision_emb_dim, cfg.vision_mlp_dim, cfg.base_emb_dim
+    Q = cfg.patch_size ** 2 * cfg.image_channels
+    layer = 4 * E * E + 3 * E * Fv + 2 * E
+    return Q * E + cfg.num_patches * E + cfg.vision_num_layers * layer + E + E * D + D * D
 
 
 def _adapted_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -64,4 +82,14 @@ def training_flops_per_step(cfg: ModelConfig, global_batch_size: int, seq_len: i
     lm_head = 2 * T * D * cfg.vocab_size
     adapters = sum(2 * T * cfg.lora_rank * (k + n) for k, n in _adapted_shapes(cfg))
     weights = 2 if frozen_backbone else 3
-    return float(weights * ((ffn + qkv + proj) * N + lm_head) + 3 * (causal_attention + adapters) * N)
+    vision = _vision_flops(cfg, global_batch_size) if cfg.model_type == "vlm" else 0
+    return float(weights * ((ffn + qkv + proj) * N + lm_head) + 3 * (causal_attention + adapters) * N + 3 * vision)
+
+
+def _vision_flops(cfg: ModelConfig, global_batch_size: int) -> float:
+    """The VLM's vision tower's forward FLOPs over the global batch's images."""
+    P, E, Fv, D = cfg.num_patches, cfg.vision_emb_dim, cfg.vision_mlp_dim, cfg.base_emb_dim
+    Tv = global_batch_size * P
+    Q = cfg.patch_size ** 2 * cfg.image_channels
+    layer = 2 * Tv * E * Fv * 3 + 2 * Tv * 4 * E * E + 4 * Tv * P * E
+    return 2 * Tv * Q * E + layer * cfg.vision_num_layers + 2 * Tv * (E * D + D * D)

@@ -46,6 +46,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("layers", None),
     ("lora_rank", None),  # an adapter's rank: small, never split
+    ("patch", None),  # the vision encoder's patch pixels and image positions: small, never split
+    ("image_tokens", None),
     # Activations: split over the batch (FSDP gathers weights, never activations), along the
     # sequence over `context` (norms, residuals, MLP and loss run on sequence shards), and
     # their heads / MLP width over `tensor`.

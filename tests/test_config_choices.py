@@ -30,7 +30,7 @@ def test_the_schema_types_its_choice_keys_and_validation_checks_exactly_those_ch
     assert set(fields) == {
         "attention_quantization", "quantization_backend", "quant_kernels", "attention",
         "context_parallel_strategy", "remat_policy", "dataset_type", "tokenizer_type", "profiler",
-        "eval_quantization", "train_params"}
+        "eval_quantization", "train_params", "model_type"}
     assert fields["attention"] == choices.ATTENTION_KERNELS
     assert fields["quantization_backend"] == BACKENDS and fields["quant_kernels"] == QUANT_KERNELS
     for name, options in fields.items():
@@ -97,13 +97,19 @@ def test_every_declared_dataset_type_opens(tmp_path, monkeypatch):
     text.write_text("to be or not to be " * 200)
     ids = tmp_path / "ids.bin"
     np.arange(4000, dtype=np.uint16).__mod__(250).astype(np.uint16).tofile(ids)
-    paths = {"text": str(text), "tokens": str(ids)}
+    for i in range(3):
+        np.save(tmp_path / f"image{i}.npy", np.full((8, 8), i, np.uint8))
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text("".join(f'{{"image": "image{i}.npy", "prompt": "which?", "answer": "{i}"}}\n'
+                                for i in range(3)))
+    paths = {"text": str(text), "tokens": str(ids), "image_text": str(examples)}
     routed = []
     monkeypatch.setattr(streams, "make_document_batches", lambda data_cfg, **kw: routed.append(data_cfg.dataset_type))
     for kind in choices.DATASET_TYPES:
         data_cfg = dataclasses.replace(DataConfig(), dataset_type=kind, dataset_path=paths.get(kind, ""))
-        batches = streams.make_dataset(data_cfg, seq_len=16, global_batch_size=2, seed=0, split="train",
-                                       vocab_size=256)
+        image_shape = (8, 8, 1) if kind in choices.IMAGE_DATASET_TYPES else None
+        batches = streams.make_dataset(data_cfg, seq_len=48, global_batch_size=2, seed=0, split="train",
+                                       vocab_size=256, image_shape=image_shape)
         assert (batches is None) == (kind in choices.DOCUMENT_DATASET_TYPES)
     assert routed == list(choices.DOCUMENT_DATASET_TYPES)
 

@@ -45,11 +45,19 @@ CONTEXT_PARALLEL_STRATEGIES: tuple[str, ...] = get_args(ContextStrategy)
 
 # Where tokens come from (nvfp4_jax.data.streams); the document datasets go through a tokenizer
 # and packing (nvfp4_jax.data.documents), the others are token streams.
-DatasetType = Literal["shakespeare", "synthetic", "text", "tokens", "grain", "hf"]
+DatasetType = Literal["shakespeare", "synthetic", "text", "tokens", "grain", "hf", "digits", "image_text"]
 DATASET_TYPES: tuple[str, ...] = get_args(DatasetType)
 DOCUMENT_DATASET_TYPES = ("grain", "hf")
+# Image-text examples for model_type=vlm (nvfp4_jax.data.image_batches): scikit-learn's bundled
+# handwritten digits, or the user's images and a JSONL of {image, prompt, answer}.
+IMAGE_DATASET_TYPES = ("digits", "image_text")
 # Corpora whose bytes are their tokens.
 BYTE_DATASET_TYPES = ("shakespeare", "text")
+
+# Which model the builder makes (nvfp4_jax.train.build.MODEL_CLASSES): the Llama decoder, or a
+# vision-language model (nvfp4_jax.model.vlm: a ViT encoder and projector before that decoder).
+ModelType = Literal["llama", "vlm"]
+MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
 
 # nvfp4_jax.data.tokenizer.
 TokenizerType = Literal["bytes", "huggingface", "sentencepiece", "tiktoken"]

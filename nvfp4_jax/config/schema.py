@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from nvfp4_jax.config.choices import (
-    AttentionKernel, AttentionQuantization, ContextStrategy, DatasetType, EvalQuantization, Profiler,
-    RematPolicy, TokenizerType, TrainParams,
+    AttentionKernel, AttentionQuantization, ContextStrategy, DatasetType, EvalQuantization, ModelType,
+    Profiler, RematPolicy, TokenizerType, TrainParams,
 )
 from nvfp4_jax.quant.recipe import Backend, QuantKernels
 
@@ -80,6 +80,35 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: str = "query,key,value,out,gate,up,down"
+    # --- Vision-language model (model_type=vlm; nvfp4_jax/model/vlm.py, docs/vlm.md) ---
+    # llama: the decoder alone; vlm: a ViT encoder + projector whose image tokens come first.
+    model_type: ModelType = "llama"
+    # The vision tower's MLP (and projector) GEMM recipe; "" follows `quantization`.
+    vision_quantization: str = ""
+    # Square images of image_size x image_size pixels, image_channels channels, cut into
+    # (image_size / patch_size)^2 patches: the image tokens ahead of the text.
+    image_size: int = 8
+    image_channels: int = 1
+    patch_size: int = 2
+    vision_emb_dim: int = 64
+    vision_num_heads: int = 4
+    vision_mlp_dim: int = 128
+    vision_num_layers: int = 2
+
+    @property
+    def vision_recipe(self) -> str:
+        """The vision tower's GEMM recipe: `vision_quantization`, else the decoder's ("bf16": none)."""
+        return self.vision_quantization or self.quantization or "bf16"
+
+    @property
+    def text_length(self) -> int:
+        """Text tokens per row: max_target_length, less the image tokens of model_type=vlm."""
+        return self.max_target_length - (self.num_patches if self.model_type == "vlm" else 0)
+
+    @property
+    def num_patches(self) -> int:
+        """Image tokens ahead of the text (model_type=vlm)."""
+        return (self.image_size // self.patch_size) ** 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +116,10 @@ class DataConfig:
     """Where tokens come from."""
 
     # shakespeare: the bundled corpus; synthetic: random tokens; text: a UTF-8 file (byte
-    # tokens); tokens: a pre-tokenized flat binary of token ids (numpy memmap).
+    # tokens); tokens: a pre-tokenized flat binary of token ids (numpy memmap). For model_type=vlm:
+    # digits (scikit-learn's bundled handwritten digits as captions and questions), or image_text
+    # (a JSONL at dataset_path of {image, prompt, answer}; images .npy or PNG, paths relative to
+    # it). eval_fraction of their images is held out.
     dataset_type: DatasetType = "shakespeare"
     dataset_path: str = ""
     # Token dtype of a `tokens` file.

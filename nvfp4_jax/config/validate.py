@@ -9,7 +9,7 @@ from typing import Any
 
 from nvfp4_jax.config.choices import (
     ATTENTION_KERNELS, ATTENTION_QUANTIZATION_FLAGS, BYTE_DATASET_TYPES, CONTEXT_PARALLEL_STRATEGIES,
-    DATASET_TYPES, EVAL_QUANTIZATIONS, PROFILERS, QUANT_KERNELS,
+    DATASET_TYPES, EVAL_QUANTIZATIONS, IMAGE_DATASET_TYPES, MODEL_TYPES, PROFILERS, QUANT_KERNELS,
     QUANTIZATION_BACKENDS, QUANTIZATION_FLAGS, REMAT_POLICIES, TOKENIZER_TYPES, LORA_TARGETS, TRAIN_PARAMS,
 )
 from nvfp4_jax.config.errors import ConfigError
@@ -104,6 +104,7 @@ def validate(cfg: Config) -> None:
            "uint16, uint32 or int32")
     _check(0.0 < d.eval_fraction < 1.0, "eval_fraction", d.eval_fraction, "must lie in (0, 1)")
     _validate_document_keys(d)
+    _validate_vision_keys(m, d)
     _check(t.per_device_batch_size > 0, "per_device_batch_size", t.per_device_batch_size,
            "must be > 0 (fractional only when context parallelism shares a sequence)")
     for key in ("steps", "log_period", "eval_interval", "eval_steps",
@@ -183,3 +184,40 @@ def _validate_adapter_keys(m: ModelConfig, t: TrainConfig) -> None:
     _check(t.train_params in TRAIN_PARAMS, "train_params", t.train_params, f"choose one of {list(TRAIN_PARAMS)}")
     _check(t.train_params != "adapters" or m.lora_rank > 0, "train_params", t.train_params,
            "'adapters' needs lora_rank > 0 (the adapters to train)")
+
+
+def _validate_vision_keys(m: ModelConfig, d: DataConfig) -> None:
+    """The vision-language model's keys and its data (model_type=vlm)."""
+    _check(m.model_type in MODEL_TYPES, "model_type", m.model_type, f"choose one of {list(MODEL_TYPES)}")
+    _check(m.vision_quantization in QUANTIZATION_FLAGS, "vision_quantization", m.vision_quantization,
+           f"choose one of {list(QUANTIZATION_FLAGS)} ('' follows quantization)")
+    for key in ("image_size", "image_channels", "patch_size", "vision_emb_dim", "vision_num_heads",
+                "vision_mlp_dim", "vision_num_layers"):
+        _check(getattr(m, key) > 0, key, getattr(m, key), "must be a positive integer")
+    _check(m.image_size % m.patch_size == 0, "patch_size", m.patch_size,
+           f"must divide image_size={m.image_size}")
+    _check(m.vision_emb_dim % m.vision_num_heads == 0, "vision_num_heads", m.vision_num_heads,
+           f"must divide vision_emb_dim={m.vision_emb_dim}")
+    image_data = d.dataset_type in IMAGE_DATASET_TYPES
+    if m.model_type != "vlm":
+        _check(not image_data, "dataset_type", d.dataset_type, "image-text data needs model_type='vlm'")
+        return
+    _check(image_data, "dataset_type", d.dataset_type,
+           f"model_type='vlm' reads image-text examples: choose one of {list(IMAGE_DATASET_TYPES)}")
+    _check(d.dataset_type != "image_text" or bool(d.dataset_path), "dataset_path", d.dataset_path,
+           "dataset_type='image_text' needs the JSONL file of {image, prompt, answer}")
+    _check(d.tokenizer_type == "bytes", "tokenizer_type", d.tokenizer_type,
+           "image-text examples are byte tokens: bytes")
+    _check(m.num_patches < m.max_target_length, "max_target_length", m.max_target_length,
+           f"must exceed the {m.num_patches} image tokens (image_size / patch_size)^2, leaving room for text")
+    text_length = m.max_target_length - m.num_patches
+    _check(text_length % m.num_vocab_tiling == 0, "num_vocab_tiling", m.num_vocab_tiling,
+           f"must divide the {text_length} text tokens (max_target_length - image tokens)")
+    block = _block_size(m.vision_recipe)
+    if block:  # every vision GEMM blocks its K, N and (WGRAD) its tokens, as the decoder's do
+        for key in ("vision_emb_dim", "vision_mlp_dim"):
+            _check(getattr(m, key) % block == 0, key, getattr(m, key),
+                   f"vision_quantization={m.vision_recipe!r} needs a multiple of {block}")
+        _check(m.num_patches % block == 0, "patch_size", m.patch_size,
+               f"vision_quantization={m.vision_recipe!r} needs the (image_size / patch_size)^2 = "
+               f"{m.num_patches} image tokens to be a multiple of {block}")

@@ -11,13 +11,13 @@ class DataError(ValueError):
     """A data source, tokenizer or file that cannot feed the requested batches."""
 
 
-def require(module: str, what: str):
-    """Imports `module` (a library of the `data` extra) or raises DataError naming the extra."""
+def require(module: str, what: str, extra: str = "data"):
+    """Imports `module` (a library of the `extra` extra) or raises DataError naming the extra."""
     try:
         return importlib.import_module(module)
     except ImportError:
         raise DataError(f"{what} needs the Python package {module.split('.')[0]!r}, which is not "
-                        "installed: pip install 'nvfp4_jax[data]'.") from None
+                        f"installed: pip install 'nvfp4_jax[{extra}]'.") from None
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

@@ -109,8 +109,10 @@ def data_entries(data_cfg: DataConfig) -> list[dict[str, Any]]:
         path = os.path.expanduser(data_cfg.dataset_path)
         itemsize = 1 if kind == "text" else np.dtype(data_cfg.token_dtype).itemsize
         return [_entry("train data", path, tokens=os.path.getsize(path) // itemsize)]
+    if kind == "image_text":  # the JSONL of examples (the images it names are read at start-up)
+        return [_entry("train data", os.path.expanduser(data_cfg.dataset_path))]
     if kind not in DOCUMENT_DATASET_TYPES:
-        return []
+        return []  # synthetic, and the digits inside scikit-learn
     train_key, train_patterns, eval_key, eval_patterns = documents.files_keys(data_cfg)
     out = []
     for role, key, patterns in (("train data", train_key, train_patterns), ("eval data", eval_key, eval_patterns)):

@@ -30,10 +30,12 @@ import os
 import numpy as np
 
 from nvfp4_jax.config import DataConfig
-from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
+from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES, IMAGE_DATASET_TYPES
 from nvfp4_jax.data.batches import Split, StepBatches
 from nvfp4_jax.data.documents import make_document_batches
 from nvfp4_jax.data.errors import DataError, check_utf8_file
+from nvfp4_jax.data.image_batches import make_image_batches
+from nvfp4_jax.data.image_text import image_source
 from nvfp4_jax.data.packing import process_rows
 
 BYTE_VOCAB_SIZE = 256
@@ -178,9 +180,11 @@ def _check_ids(tokens: np.ndarray, start: int, stop: int, vocab_size: int, name:
 
 
 def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: int, split: str,
-                 vocab_size: int) -> StepBatches:
+                 vocab_size: int, image_shape: tuple[int, int, int] | None = None) -> StepBatches:
     """The batches of `split` ("train" or "eval") of the source `data_cfg` describes: a
-    TokenBatches, or a documents.DocumentBatches for `grain` and `hf` (both `StepBatches`).
+    TokenBatches, a documents.DocumentBatches for `grain` and `hf`, or an
+    image_batches.ImageTextBatches for `digits` and `image_text` (rows of `seq_len` text tokens
+    beside images of `image_shape`), all `StepBatches`.
 
     Raises DataError for a missing file, a file whose ids do not fit `vocab_size` or a split
     shorter than one `seq_len + 1` window. `warnings` holds softer findings (ids that look like a
@@ -197,6 +201,12 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
                                      seed=seed, split=split, vocab_size=vocab_size)
     common = dict(split=split, seq_len=seq_len, global_batch_size=global_batch_size, seed=seed,
                   vocab_size=vocab_size)
+    if kind in IMAGE_DATASET_TYPES:
+        if image_shape is None:
+            raise DataError(f"dataset_type={kind!r} is image-text data: it feeds model_type='vlm' only.")
+        name, images, examples = image_source(data_cfg)
+        return make_image_batches(name, images, examples, eval_fraction=data_cfg.eval_fraction,
+                                  image_shape=image_shape, **common)
     if kind == "synthetic":
         return TokenBatches(name="synthetic", tokens=None, token_range=(0, 0), **common)
     if kind == "shakespeare":
@@ -208,7 +218,7 @@ def make_dataset(data_cfg: DataConfig, *, seq_len: int, global_batch_size: int, 
         dtype = np.dtype(data_cfg.token_dtype)
         name, tokens = data_cfg.dataset_path, _open_file(data_cfg.dataset_path, dtype, kind)
     else:
-        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens, grain, hf.")
+        raise DataError(f"dataset_type={kind!r} is not one of synthetic, shakespeare, text, tokens, grain, hf, digits, image_text.")
 
     total = len(tokens)
     boundary = eval_boundary(total, data_cfg.eval_fraction)

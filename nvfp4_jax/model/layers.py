@@ -40,6 +40,8 @@ PARAM_AXES = {
     "norm": "RMSNorm scale, D",
     "layers": "decoder layer of a scanned block, N (the leading axis nn.scan adds)",
     "lora_rank": "a LoRA adapter's rank, r (model/lora.py)",
+    "patch": "pixels of one image patch, patch_size^2 x channels (model/vision.py)",
+    "image_tokens": "image token position, (image_size / patch_size)^2 (model/vision.py)",
 }
 
 # Logical axis names of activations; nvfp4_jax.sharding maps them (outside a mesh they are no-ops).

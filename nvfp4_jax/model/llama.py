@@ -245,6 +245,11 @@ class Llama(nn.Module):
         logits are computed `num_vocab_tiling` tiles at a time (see `model/loss.py`).
         """
         h_BxLxD = self.features(self.embed(tokens_BxL), segment_ids_BxL, positions_BxL)
+        return self.mean_loss(h_BxLxD, targets_BxL, loss_weights_BxL)
+
+    def mean_loss(self, h_BxLxD: jax.Array, targets_BxL: jax.Array,
+                  loss_weights_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """`loss` from the final norm's output `h_BxLxD` (the VLM's text positions enter here)."""
         total = self.lm_head(h_BxLxD, targets_BxL, self.cfg.num_vocab_tiling, loss_weights_BxL)
         if loss_weights_BxL is None:
             total_weights = jnp.asarray(targets_BxL.size, jnp.float32)

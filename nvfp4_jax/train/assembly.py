@@ -161,8 +161,10 @@ class Run:
     def dataset(self, split: str):
         """The run's `split` ("train" or "eval") data, batched to the global batch."""
         m = self.cfg.model
-        return data_lib.make_dataset(self.cfg.data, seq_len=m.max_target_length, global_batch_size=self.global_batch,
-                                     seed=self.cfg.train.seed, split=split, vocab_size=m.vocab_size)
+        image_shape = (m.image_size, m.image_size, m.image_channels) if m.model_type == "vlm" else None
+        return data_lib.make_dataset(self.cfg.data, seq_len=m.text_length, global_batch_size=self.global_batch,
+                                     seed=self.cfg.train.seed, split=split, vocab_size=m.vocab_size,
+                                     image_shape=image_shape)
 
     def put(self, local_batch: dict) -> dict:
         """This process's rows of a global batch, assembled into sharded arrays."""
@@ -174,9 +176,14 @@ class Run:
                                     adapters_only=self.adapters_only)
 
     @functools.cached_property
+    def bf16_model(self):
+        """The model with the same parameters and BF16 dots (the BF16 tail's, a BF16 evaluation's)."""
+        return self._model(quantized=False)
+
+    @functools.cached_property
     def bf16_train_step(self):
         """The BF16 tail's step (`quantization_end_step`): the same parameters with BF16 dots."""
-        return build.jit_train_step(self._model(quantized=False), self.optimizer, self.mesh, self.state_shardings,
+        return build.jit_train_step(self.bf16_model, self.optimizer, self.mesh, self.state_shardings,
                                     uses_fp8_meta=False, adapters_only=self.adapters_only)
 
     @functools.cached_property
@@ -188,7 +195,7 @@ class Run:
         """The eval step of the same parameters with BF16 dots (a BF16 run's own eval step)."""
         if not self.startup.quantizes_anything:
             return self.eval_step
-        return build.jit_eval_step(self._model(quantized=False), self.mesh, self.state_shardings)
+        return build.jit_eval_step(self.bf16_model, self.mesh, self.state_shardings)
 
     @functools.cached_property
     def quant_stats_step(self):

@@ -18,13 +18,15 @@ from jax.sharding import Mesh
 from nvfp4_jax import quant, sharding
 from nvfp4_jax.config import ConfigError, ModelConfig
 from nvfp4_jax.kernels import select as kernel_select
-from nvfp4_jax.model import Llama, select_attention
+from nvfp4_jax.model import VLM, Llama, select_attention
 from nvfp4_jax.quant import health
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_quant_stats_step, make_train_step
 
 # The attention projections' recipe when `attention_quantization=fp8` (stateless FP8).
 ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
+# The model each `model_type` builds (config.choices.MODEL_TYPES).
+MODEL_CLASSES = {"llama": Llama, "vlm": VLM}
 
 
 def quantization_backend(model_cfg: ModelConfig) -> quant.Backend:
@@ -60,8 +62,9 @@ def build_model(
     backend: quant.Backend | None = None,
     quant_stats: bool = False,
     attention_kernel: str | None = None,
-) -> Llama:
-    """The Llama of `model_cfg`; `quantized=False` gives the same parameters with BF16 dots.
+) -> Llama | VLM:
+    """The model of `model_cfg` (`model_type`: the Llama, or the VLM around it); `quantized=False`
+    gives the same parameters with BF16 dots.
 
     `backend` (default: `quantization_backend(model_cfg)`) runs the MLP GEMMs, with operands
     by `quant_kernels` where it can use them. The attention kernel is selected here too,
@@ -70,7 +73,7 @@ def build_model(
     gives the model of the quantization-statistics step (its dots measure their operands, see
     `quant.health`); never the one that trains.
     """
-    mlp_dot = attention_dot = None
+    mlp_dot = attention_dot = vision_dot = None
     if quantized:
         backend = backend or quantization_backend(model_cfg)
         # MaxText casts the fp32 kernel to the compute dtype before its dot and TE quantizes that
@@ -83,6 +86,10 @@ def build_model(
             attention_dot = quant.dot_general_factory(
                 ATTENTION_FP8_RECIPE, quant_stats=quant_stats, kernel_dtype=kernel_dtype
             )
+        if model_cfg.model_type == "vlm":  # the vision tower's MLPs, on the same backend
+            vision_dot = backend.dot_general_factory(
+                model_cfg.vision_recipe, quant_stats=quant_stats, kernel_dtype=kernel_dtype
+            )
     kernel = attention_kernel or select_attention(model_cfg.attention, seq_len=model_cfg.max_target_length).kernel
     platform = jax.devices()[0].platform
     if kernel == "cudnn_flash" and platform != "gpu":
@@ -90,8 +97,10 @@ def build_model(
             f"attention={model_cfg.attention} runs only on NVIDIA GPUs (cuDNN) and this run's "
             f"devices are {platform}: use attention=autoselected or attention=dot_product"
         )
-    return Llama(model_cfg, mlp_dot_general_cls=mlp_dot, attention_dot_general_cls=attention_dot,
-                 attention_kernel=kernel)
+    dots = {"vision_dot_general_cls": vision_dot} if model_cfg.model_type == "vlm" else {}
+    return MODEL_CLASSES[model_cfg.model_type](model_cfg, mlp_dot_general_cls=mlp_dot,
+                                               attention_dot_general_cls=attention_dot,
+                                               attention_kernel=kernel, **dots)
 
 
 def describe_attention(model_cfg: ModelConfig) -> str:
@@ -137,7 +146,7 @@ def _init_boxed(model: nn.Module, optimizer: optax.GradientTransformation, seq_l
 def backend_scope(model: Llama):
     """What tracing and compiling `model` needs around it: TE's MeshResource when its MLP runs
     on Transformer Engine (TE's partitioning reads it), nothing otherwise."""
-    factory = model.mlp_dot_general_cls
+    factory = model.mlp_dot_general_cls or getattr(model, "vision_dot_general_cls", None)
     return contextlib.nullcontext() if factory is None else factory.scope(sharding.BATCH_AXES)
 
 

@@ -36,6 +36,7 @@ from nvfp4_jax.data.errors import DataError
 from nvfp4_jax.flops import training_flops_per_step
 from nvfp4_jax.train import assembly, checkpoint, distributed, hooks as hooks_lib, integrity, metrics as metrics_lib
 from nvfp4_jax.train import params_checkpoint as params_lib, resume, run_dir as run_dir_lib, shutdown, tensorboard
+from nvfp4_jax.train import vqa as vqa_lib
 from nvfp4_jax.train.build import context_attention_warning
 from nvfp4_jax.train.evaluation import Evaluation, quantizes_after
 from nvfp4_jax.train.summary import SegmentOutcome, format_summary, summarize
@@ -316,7 +317,7 @@ class _Segment:
         if self.manager is not None:
             hooks.append(hooks_lib.Checkpoint(t.checkpoint_period, self._save))
         hooks.append(hooks_lib.Evaluate(t.eval_interval, evaluate))
-        final_eval = None
+        final_eval = vqa = None
         try:
             state, reached, stopping = train(
                 state, lambda step: parts.train_step if quantizes_after(cfg, step) else parts.bf16_train_step,
@@ -330,6 +331,12 @@ class _Segment:
                 # the loss unless the file already has it.
                 final_eval = evaluate(reached, state, log=reached > start or not (
                     writer and writer.has(reached, "eval_perplexity")))
+                if m.model_type == "vlm":
+                    # Through the forward pass the run ends with (BF16 after quantization_end_step).
+                    model = parts.model if quantizes_after(cfg, reached) else parts.bf16_model
+                    vqa = vqa_lib.vqa_scores(model, state, self.eval_data)
+                    self.console.info(f"held-out VQA at step {reached}: accuracy {vqa['vqa_accuracy']:.3f} "
+                                      f"(chance {vqa['vqa_chance']:.3f}, {vqa['vqa_questions']} questions)")
             else:
                 saved = f"saved checkpoint step {reached}" if self.manager is not None else "checkpointing is off"
                 self.console.info(f"Stopped by {stopped_by} after step {reached} ({saved}); run the same "
@@ -341,7 +348,7 @@ class _Segment:
             start=start, reached=reached, stopped_by=stopped_by, final_eval=final_eval,
             final_eval_bf16=evaluate.last.get("eval_loss_bf16") if final_eval is not None else None,
             history=report.history, segment=writer.segment if writer else None,
-            last_checkpoint_step=self.last_good[0] if self.last_good else None), is_lead=self.console.is_lead)
+            last_checkpoint_step=self.last_good[0] if self.last_good else None, vqa=vqa), is_lead=self.console.is_lead)
 
 
 __all__ = ["NonFiniteError", "ResumeError", "format_summary", "run", "run_directory", "train"]

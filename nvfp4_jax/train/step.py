@@ -42,6 +42,12 @@ def document_inputs(batch) -> dict:
     }
 
 
+def image_inputs(batch) -> dict:
+    """The VLM's keyword argument for a batch's images (`images`, float32 `[B, S, S, C]`); {}
+    for a text batch."""
+    return {"images_BxSxSxC": batch["images"]} if "images" in batch else {}
+
+
 def _loss(model: nn.Module, params, fp8_meta, batch, key) -> tuple[jax.Array, jax.Array]:
     """Next-token loss in fp32 over the counted targets, and their number (MaxText's total_weights).
 
@@ -51,7 +57,7 @@ def _loss(model: nn.Module, params, fp8_meta, batch, key) -> tuple[jax.Array, ja
     """
     return model.apply(
         _variables(params, fp8_meta), batch["inputs"], batch["targets"], method="loss",
-        rngs=quant_rngs(key), **document_inputs(batch),
+        rngs=quant_rngs(key), **document_inputs(batch), **image_inputs(batch),
     )
 
 

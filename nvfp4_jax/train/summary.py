@@ -22,6 +22,9 @@ class SegmentOutcome:
     history: list  # this segment's step records
     segment: int | None  # metrics.jsonl's segment number (None on a process that does not write)
     last_checkpoint_step: int | None
+    # model_type=vlm: the held-out questions' vqa_accuracy, vqa_chance, vqa_questions and both
+    # per question type (train/vqa.py).
+    vqa: dict[str, Any] | None = None
 
 
 def summarize(cfg: Config, run_dir: str, outcome: SegmentOutcome, *, is_lead: bool) -> dict[str, Any]:
@@ -51,6 +54,7 @@ def summarize(cfg: Config, run_dir: str, outcome: SegmentOutcome, *, is_lead: bo
         "eval_losses": sorted(run_dir_lib.iter_steps(records, "eval_loss")),
         "eval_losses_bf16": sorted(run_dir_lib.iter_steps(records, "eval_loss_bf16")),
         "last_checkpoint_step": outcome.last_checkpoint_step,
+        **(outcome.vqa or {}),
     }
     if is_lead:
         run_dir_lib.write_summary(run_dir, summary)
@@ -72,6 +76,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  train loss: {fmt(summary['first_train_loss'])} (first step) -> "
         f"{fmt(summary['final_train_loss'])} (last step)",
         f"  validation loss: {fmt(summary['final_eval_loss'])}",
+        *([f"  held-out VQA accuracy: {fmt(summary['vqa_accuracy'])} (chance {fmt(summary['vqa_chance'])}, "
+           f"{summary['vqa_questions']} questions)"] if "vqa_accuracy" in summary else []),
         f"  tokens/s/device (median): {fmt(summary['median_tokens_per_second_per_device'], '.1f')}",
         f"  run directory: {summary['run_directory']}",
         "=" * 72,

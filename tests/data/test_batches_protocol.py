@@ -7,13 +7,14 @@ from nvfp4_jax.config import make_config
 from nvfp4_jax.data import StepBatches, make_dataset
 from nvfp4_jax.data.batches import Split
 from nvfp4_jax.data.documents import DocumentBatches
+from nvfp4_jax.data.image_batches import ImageTextBatches
 from nvfp4_jax.data.packing import BATCH_KEYS
 from nvfp4_jax.data.streams import TokenBatches
 
 MEMBERS = [name for name in dir(StepBatches) if not name.startswith("_")] + list(StepBatches.__annotations__)
 
 
-@pytest.mark.parametrize("cls", [TokenBatches, DocumentBatches])
+@pytest.mark.parametrize("cls", [TokenBatches, DocumentBatches, ImageTextBatches])
 def test_each_source_class_has_every_member_of_the_protocol_and_the_shared_split_fields(cls):
     assert issubclass(cls, Split)
     fields = {f.name for f in cls.__dataclass_fields__.values()}
