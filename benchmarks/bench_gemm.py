@@ -31,7 +31,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from _report import write_result  # noqa: E402
 
-from nvfp4_jax.quant import make_dot_general, nvfp4_gemm_operand  # noqa: E402
+from nvfp4_jax.quant import get_recipe, make_dot_general, nvfp4_gemm_operand  # noqa: E402
 from nvfp4_jax.quant.nvfp4_backend import sr_keys  # noqa: E402
 from nvfp4_jax.quant.formats import stochastic_rounding_bits  # noqa: E402
 
@@ -100,7 +100,7 @@ def bench_shape(tokens: int, k: int, n: int, repeats: int) -> list[dict]:
     x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     g = jax.random.normal(kg, (tokens, n), jnp.float32).astype(jnp.bfloat16)
-    fns = {name: _fwd_bwd(make_dot_general(name, key)) for name in RECIPES}
+    fns = {name: _fwd_bwd(make_dot_general(get_recipe(name), key)) for name in RECIPES}
     fns["nvfp4 quantize only"] = _quantize_only(key)
     fns["  of which SR noise"] = _sr_noise_only(key)
     fns["nvfp4 GEMMs only"] = _gemms_only

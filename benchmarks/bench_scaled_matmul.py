@@ -25,7 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from _report import environment, write_json  # noqa: E402
 from bench_gemm import _fwd_bwd, _time  # noqa: E402
 
-from nvfp4_jax.quant import make_backend, make_dot_general, probe_scaled_matmul  # noqa: E402
+from nvfp4_jax.quant import get_recipe, make_backend, make_dot_general, probe_scaled_matmul  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -47,11 +47,11 @@ def main(argv=None) -> dict:
     g = jax.random.normal(kg, (tokens, n), jnp.float32).astype(jnp.bfloat16)
     probe = probe_scaled_matmul(accel)
     fns = {
-        "bf16": _fwd_bwd(make_dot_general("bf16")),
-        "te_nvfp4 emulated": _fwd_bwd(make_dot_general("te_nvfp4", key)),
+        "bf16": _fwd_bwd(make_dot_general(get_recipe("bf16"))),
+        "te_nvfp4 emulated": _fwd_bwd(make_dot_general(get_recipe("te_nvfp4"), key)),
     }
     if probe.lowers:
-        fns["te_nvfp4 xla"] = _fwd_bwd(make_dot_general("te_nvfp4", key, backend=make_backend("xla")))
+        fns["te_nvfp4 xla"] = _fwd_bwd(make_dot_general(get_recipe("te_nvfp4"), key, backend=make_backend("xla")))
     times = _time(fns, (x, w, g), args.repeats)
     flops = 3 * 2 * tokens * k * n
     bf16 = float(np.median(times["bf16"]))

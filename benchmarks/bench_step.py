@@ -48,7 +48,7 @@ from nvfp4_jax import sharding  # noqa: E402
 from nvfp4_jax.config import Config, MeshConfig, make_config  # noqa: E402
 from nvfp4_jax.flops import parameter_count, training_flops_per_step  # noqa: E402
 from nvfp4_jax.model import Llama, select_attention  # noqa: E402
-from nvfp4_jax.quant import get_recipe, make_dot_general  # noqa: E402
+from nvfp4_jax.quant import make_dot_general  # noqa: E402
 from nvfp4_jax.quant.nvfp4_backend import NVFP4Backend, emulated_gemm  # noqa: E402
 from nvfp4_jax.train.build import build_model  # noqa: E402
 
@@ -68,7 +68,7 @@ IDENTITY_BACKEND = NVFP4Backend("identity", _identity_operand, emulated_gemm)
 
 
 def _identity_model(cfg: Config) -> Llama:
-    recipe = get_recipe(cfg.model.quantization)
+    recipe = cfg.model.mlp_recipe
 
     def factory():
         # A fixed key: the identity operand never draws random bits.

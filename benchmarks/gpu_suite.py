@@ -154,7 +154,7 @@ def part_fp8_gemm(shapes: dict, repeats: int) -> dict:
     """(c) One projection's forward and backward, bf16 against the FP8 recipe's quantized dot."""
     import jax
     import jax.numpy as jnp
-    from nvfp4_jax.quant import init_fp8_meta, make_dot_general
+    from nvfp4_jax.quant import get_recipe, init_fp8_meta, make_dot_general
 
     M, K, N = shapes["gemm"]
     kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -165,7 +165,7 @@ def part_fp8_gemm(shapes: dict, repeats: int) -> dict:
     dots = {
         "bf16": lambda x, w, meta: jax.lax.dot_general(x, w.astype(jnp.bfloat16), dims,
                                                        preferred_element_type=jnp.float32),
-        "te_fp8_delayedscaling": lambda x, w, meta: make_dot_general("te_fp8_delayedscaling", fp8_meta=meta)(
+        "te_fp8_delayedscaling": lambda x, w, meta: make_dot_general(get_recipe("te_fp8_delayedscaling"), fp8_meta=meta)(
             x, w, dims, preferred_element_type=jnp.float32),
     }
     out = dict(shape_mkn=[M, K, N], flops_fwd_bwd=6 * M * K * N)

@@ -41,6 +41,7 @@ from nvfp4_jax.quant import (
     dequantize,
     exact,
     fp8_delayed,
+    get_recipe,
     make_backend,
     make_dot_general,
     nvfp4_gemm_operand,
@@ -230,7 +231,7 @@ def check_gemm(recipe, quick):
                                                 "dy": jnp.float32(4.0)})
 
     def fn(x, w, g, key):
-        dot = make_dot_general(recipe, key, fp8_meta=meta)
+        dot = make_dot_general(get_recipe(recipe), key, fp8_meta=meta)
         dims = (((1,), (0,)), ((), ()))
         y, vjp = jax.vjp(lambda a, b: dot(a, b, dims, preferred_element_type=jnp.float32), x, w)
         dx, dw = vjp(g)
@@ -270,7 +271,7 @@ def check_xla_gemm(recipe, quick):
     def fn(x, w, g, key):
         outs = []
         for backend in (xla, make_backend("emulated")):
-            dot = make_dot_general(recipe, key, backend=backend)
+            dot = make_dot_general(get_recipe(recipe), key, backend=backend)
             y, vjp = jax.vjp(lambda a, b: dot(a, b, dims, preferred_element_type=jnp.float32), x, w)
             outs.append((y, *vjp(g)))
         x2 = x.reshape(t, k)

@@ -58,8 +58,6 @@ from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail
 from nvfp4_jax.config import Config, ConfigError, ModelConfig, load_config
 from nvfp4_jax.model import Llama, layer_blocks, layer_is_quantized, select_attention
 from nvfp4_jax.model.ulysses import kv_repeats
-from nvfp4_jax.quant import get_recipe
-from nvfp4_jax.train.build import ATTENTION_FP8_RECIPE
 
 GIB = 1024**3
 EXIT_CODES = (f"exit codes: {Exit.OK:d} planned (it fits, or no device memory is known); {Exit.BAD_INPUT:d} bad "
@@ -138,10 +136,10 @@ def _layer_weights(m: ModelConfig) -> tuple[int, int]:
 def _quantized_residual_bytes(m: ModelConfig) -> float:
     """Weight bytes one decoder layer's quantized dots keep for the backward pass (no remat)."""
     total, mlp = _layer_weights(m)
-    recipe = get_recipe(m.quantization)
+    recipe = m.mlp_recipe
     out = 0.0 if recipe.is_bf16 else mlp * _QUANTIZED_WEIGHT_BYTES.get((recipe.format, recipe.two_d_weights), 4)
     if m.attention_quantization == "fp8":
-        attn = get_recipe(ATTENTION_FP8_RECIPE)
+        attn = m.attention_recipe
         out += (total - mlp) * _QUANTIZED_WEIGHT_BYTES.get((attn.format, attn.two_d_weights), 4)
     return out
 

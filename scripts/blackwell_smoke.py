@@ -53,7 +53,7 @@ def relative_error(got, want) -> float:
 def projection(recipe: str, backend, x, w, g):
     """(y, dx, dw) of one quantized projection `x[B, L, K] . w[K, N]` through QuantDotGeneral,
     and the compiled HLO text of that jitted fwd+bwd."""
-    mod = QuantDotGeneral(recipe, nvfp4_backend=backend)
+    mod = QuantDotGeneral(get_recipe(recipe), nvfp4_backend=backend)
     key = jax.random.PRNGKey(3)
 
     def fwd_bwd(x, w, g):

@@ -12,7 +12,7 @@ from nvfp4_jax.config.choices import (
     AttentionKernel, AttentionQuantization, ContextStrategy, DatasetType, EvalQuantization, ModelType,
     Profiler, RematPolicy, TokenizerType, TrainParams,
 )
-from nvfp4_jax.quant.recipe import Backend, QuantKernels
+from nvfp4_jax.quant.recipe import ATTENTION_FP8_FLAG, Backend, QuantKernels, Recipe, get_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +95,22 @@ class ModelConfig:
     vision_mlp_dim: int = 128
     vision_num_layers: int = 2
 
+    # The recipes of the config's quantization flags: the one place a flag becomes a `Recipe`.
     @property
-    def vision_recipe(self) -> str:
-        """The vision tower's GEMM recipe: `vision_quantization`, else the decoder's ("bf16": none)."""
-        return self.vision_quantization or self.quantization or "bf16"
+    def mlp_recipe(self) -> Recipe:
+        """The decoder MLPs' GEMM recipe (`quantization`; "" is BF16)."""
+        return get_recipe(self.quantization)
+
+    @property
+    def attention_recipe(self) -> Recipe:
+        """The attention projections' GEMM recipe: stateless FP8 under `attention_quantization=fp8`,
+        else BF16."""
+        return get_recipe(ATTENTION_FP8_FLAG if self.attention_quantization == "fp8" else "bf16")
+
+    @property
+    def vision_recipe(self) -> Recipe:
+        """The vision tower's GEMM recipe: `vision_quantization`, else the decoder's."""
+        return get_recipe(self.vision_quantization or self.quantization)
 
     @property
     def text_length(self) -> int:

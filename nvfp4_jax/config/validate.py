@@ -213,11 +213,12 @@ def _validate_vision_keys(m: ModelConfig, d: DataConfig) -> None:
     text_length = m.max_target_length - m.num_patches
     _check(text_length % m.num_vocab_tiling == 0, "num_vocab_tiling", m.num_vocab_tiling,
            f"must divide the {text_length} text tokens (max_target_length - image tokens)")
-    block = _block_size(m.vision_recipe)
+    vision_flag = m.vision_quantization or m.quantization
+    block = _block_size(vision_flag)
     if block:  # every vision GEMM blocks its K, N and (WGRAD) its tokens, as the decoder's do
         for key in ("vision_emb_dim", "vision_mlp_dim"):
             _check(getattr(m, key) % block == 0, key, getattr(m, key),
-                   f"vision_quantization={m.vision_recipe!r} needs a multiple of {block}")
+                   f"vision_quantization={vision_flag or 'bf16'!r} needs a multiple of {block}")
         _check(m.num_patches % block == 0, "patch_size", m.patch_size,
-               f"vision_quantization={m.vision_recipe!r} needs the (image_size / patch_size)^2 = "
+               f"vision_quantization={vision_flag or 'bf16'!r} needs the (image_size / patch_size)^2 = "
                f"{m.num_patches} image tokens to be a multiple of {block}")

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from nvfp4_jax.quant import fp8_delayed, te_backend, xla_backend
 from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend, emulated_gemm
 from nvfp4_jax.quant.flax_dot import dot_general_factory as _factory
-from nvfp4_jax.quant.recipe import BACKENDS, Recipe, get_recipe, recipe_name
+from nvfp4_jax.quant.recipe import BACKENDS, Recipe, recipe_name, require_recipe
 _AUTO_AND_TE = "auto never picks te (quantization_backend=te asks for Transformer Engine)"
 
 
@@ -53,7 +53,7 @@ class BackendChoice:
 
 def choose_backend(
     requested: str,
-    recipe: Union[Recipe, str],
+    recipe: Recipe,
     *,
     probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
     check_te: Optional[Callable[[Recipe], str]] = None,
@@ -74,7 +74,7 @@ def choose_backend(
     """
     if requested not in BACKENDS:
         raise ValueError(f"quantization_backend={requested!r}; choose one of {list(BACKENDS)}")
-    recipe = get_recipe(recipe)
+    recipe = require_recipe(recipe, "choose_backend")
     name = recipe_name(recipe)
     probe = probe or xla_backend.probe_scaled_matmul
     if recipe.is_bf16:
@@ -191,7 +191,7 @@ class Backend:
         """The start-up line."""
         return f"quantization backend: {self.name} ({self.reason})"
 
-    def dot_general_factory(self, recipe: Union[Recipe, str], *, quant_stats: bool = False,
+    def dot_general_factory(self, recipe: Recipe, *, quant_stats: bool = False,
                             kernel_dtype: Optional[str] = None):
         """The model's factory of quantized dots for `recipe` on this backend (None for bf16)."""
         return _factory(recipe, self.executor, quant_stats=quant_stats, kernel_dtype=kernel_dtype)
@@ -204,7 +204,7 @@ class Backend:
 
 def resolve_backend(
     requested: str,
-    recipe: Union[Recipe, str],
+    recipe: Recipe,
     quant_kernels: str = "jnp",
     *,
     probe: Optional[Callable[[], xla_backend.ScaledMatmulProbe]] = None,
@@ -221,7 +221,7 @@ def resolve_backend(
     selection, which sits above this package); without it only quant_kernels=jnp is possible.
     Raises as `choose_backend` does for a backend that cannot run here.
     """
-    recipe = get_recipe(recipe)
+    recipe = require_recipe(recipe, "resolve_backend")
     choice = choose_backend(requested, recipe, probe=probe, check_te=check_te,
                             allow_xla_fallback=allow_xla_fallback, gather=gather)
     executor = make_backend(choice.name)
@@ -251,11 +251,11 @@ def _state_collection(recipe: Recipe, backend: str) -> Optional[str]:
     return te_backend.TE_STATE_COLLECTION if backend == "te" else fp8_delayed.COLLECTION
 
 
-def check_backend_resume(saved: Optional[str], now: str, recipe: Union[Recipe, str]) -> None:
+def check_backend_resume(saved: Optional[str], now: str, recipe: Recipe) -> None:
     """Raise ValueError when a checkpoint written under backend `saved` cannot be resumed under
     `now`: the backends keep the recipe's state in different collections. Between emulated and
     xla, and for every recipe but te_fp8_delayedscaling, the trees agree and resuming works."""
-    recipe = get_recipe(recipe)
+    recipe = require_recipe(recipe, "check_backend_resume")
     if saved is None or saved == now:
         return
     if _state_collection(recipe, saved) != _state_collection(recipe, now):

@@ -40,7 +40,7 @@ from jax import lax
 from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend
 from nvfp4_jax.quant.quantizers import Quantizers, quantizers
-from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
+from nvfp4_jax.quant.recipe import Recipe, recipe_name, require_recipe
 
 # lax.dot_general dimension numbers of the three GEMMs on X [T, K], W [K, N], dY [T, N].
 _FPROP_DIMS = (((1,), (0,)), ((), ()))  # X . W
@@ -62,7 +62,7 @@ class _Static:
 
 
 def make_dot_general(
-    recipe="te_nvfp4",
+    recipe: Recipe,
     key: Optional[jax.Array] = None,
     *,
     fp8_meta: Optional[fp8_delayed.FP8Meta] = None,
@@ -73,7 +73,7 @@ def make_dot_general(
     """A function with `lax.dot_general`'s signature that runs `recipe`'s quantized GEMMs.
 
     Args:
-      recipe: a `Recipe` or its flag ("te_nvfp4", ...). "bf16"/"" returns `lax.dot_general`.
+      recipe: the `Recipe` (`get_recipe("te_nvfp4")`, ...); a BF16 one returns `lax.dot_general`.
       key: PRNG key for stochastic rounding; required when the recipe rounds gradients
         stochastically. Pass a different key per step and per layer.
       fp8_meta: delayed-scaling FP8 state of this layer (`fp8_delayed.init_fp8_meta`); required
@@ -94,7 +94,7 @@ def make_dot_general(
     Only the dense case is supported: `lhs[..., K]` contracting its last dim with `rhs[K, N]`,
     no batch dims. The Transformer Engine backend is reached through `QuantDotGeneral` only.
     """
-    recipe = get_recipe(recipe)
+    recipe = require_recipe(recipe, "make_dot_general")
     if recipe.is_bf16:
         return lax.dot_general
     name = recipe_name(recipe)

@@ -38,7 +38,7 @@ from jax import lax
 from nvfp4_jax.quant import fp8_delayed, health, te_backend
 from nvfp4_jax.quant.dot import make_dot_general
 from nvfp4_jax.quant.nvfp4_backend import EMULATED, NVFP4Backend
-from nvfp4_jax.quant.recipe import Recipe, get_recipe, recipe_name
+from nvfp4_jax.quant.recipe import Recipe, recipe_name, require_recipe
 
 RNG_STREAM = "quant"
 # Collections whose "gradient" is the next value (ours, and TE's for its DelayedScaling).
@@ -49,7 +49,7 @@ class QuantDotGeneral(nn.Module):
     """A `lax.dot_general`-compatible Flax module that runs `recipe`'s quantized GEMMs.
 
     Attributes:
-      recipe: a `Recipe` or its flag string.
+      recipe: the `Recipe` (a flag string is resolved once, by the caller: `get_recipe`).
       nvfp4_backend: how NVFP4 operands are quantized and GEMMs run (`nvfp4_backend.NVFP4Backend`,
         ignored by the other formats), or `te_backend.TE`: Transformer Engine runs the whole
         quantized GEMM of the recipe (NVFP4 or FP8). `backends.make_backend(name)` gives either.
@@ -58,7 +58,7 @@ class QuantDotGeneral(nn.Module):
         operands to themselves.
     """
 
-    recipe: Union[Recipe, str] = "te_nvfp4"
+    recipe: Recipe
     nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED
     quant_stats: bool = False
     # Quantize the kernel from this dtype (e.g. "bfloat16", as MaxText + TE do); None: as given.
@@ -66,7 +66,7 @@ class QuantDotGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        recipe = get_recipe(self.recipe)
+        recipe = require_recipe(self.recipe, "QuantDotGeneral")
         if recipe.is_bf16:
             return lax.dot_general(
                 lhs, rhs, dimension_numbers, precision=precision,
@@ -148,7 +148,7 @@ class DotFactory:
 
 
 def dot_general_factory(
-    recipe: Union[Recipe, str],
+    recipe: Recipe,
     nvfp4_backend: Union[NVFP4Backend, te_backend.TEBackend] = EMULATED,
     *,
     quant_stats: bool = False,
@@ -159,7 +159,7 @@ def dot_general_factory(
 
     None means "use `jax.lax.dot_general`", the model's convention for BF16.
     """
-    recipe = get_recipe(recipe)
+    recipe = require_recipe(recipe, "dot_general_factory")
     if recipe.is_bf16:
         return None
     return DotFactory(recipe, nvfp4_backend, quant_stats, kernel_dtype)

@@ -1,8 +1,8 @@
 """GEMM recipes: which number format each operand of a linear layer's three GEMMs gets.
 
 A recipe is data. `Recipe` holds the numerics choices, `RECIPES` maps the user-facing flag
-strings (MaxText's names) to instances, and `get_recipe` resolves a flag or passes a recipe
-through; `operand_specs` says how each GEMM operand of the recipe is quantized.
+strings (MaxText's names) to instances, and `get_recipe` resolves a flag (once, at the config);
+`operand_specs` says how each GEMM operand of the recipe is quantized.
 `nvfp4_jax.quant.dot` turns a recipe into a quantized `dot_general`.
 
 This module imports no jax: `nvfp4_jax.config` takes its flag choices from here, so a bad flag
@@ -12,7 +12,7 @@ fails before jax is loaded.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping, Optional, Union, get_args
+from typing import Literal, Mapping, Optional, get_args
 
 from nvfp4_jax.quant.spec import ROLES, OperandSpec
 
@@ -129,17 +129,29 @@ BACKENDS: tuple[str, ...] = get_args(Backend)
 QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernels)
 
 
-def get_recipe(flag_or_recipe: Union[str, Recipe]) -> Recipe:
-    """Returns the `Recipe` for a flag string (e.g. "te_nvfp4"), or the recipe itself.
+# The attention projections' recipe under `attention_quantization=fp8`: stateless FP8, per tensor.
+ATTENTION_FP8_FLAG = "te_fp8_currentscaling"
+
+
+def get_recipe(flag: str) -> Recipe:
+    """The `Recipe` of a quantization flag (e.g. "te_nvfp4"; "" is bf16): the config's string
+    becomes a recipe here, once; everything below the config takes the `Recipe`.
 
     Raises ValueError for an unknown flag, listing the valid ones.
     """
-    if isinstance(flag_or_recipe, Recipe):
-        return flag_or_recipe
-    if isinstance(flag_or_recipe, str) and flag_or_recipe in RECIPES:
-        return RECIPES[flag_or_recipe]
+    if isinstance(flag, str) and flag in RECIPES:
+        return RECIPES[flag]
     valid = ", ".join(repr(k) for k in RECIPES)
-    raise ValueError(f"unknown quantization recipe {flag_or_recipe!r}; valid flags: {valid}")
+    raise ValueError(f"unknown quantization recipe {flag!r}; valid flags: {valid}")
+
+
+def require_recipe(recipe: Recipe, where: str) -> Recipe:
+    """`recipe`, or TypeError when it is not a `Recipe` (a flag string is resolved once, by the
+    caller, with `get_recipe`)."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    hint = f": resolve the flag once with get_recipe({recipe!r})" if isinstance(recipe, str) else ""
+    raise TypeError(f"{where} takes a Recipe, not {recipe!r}{hint}")
 
 
 def recipe_name(recipe: Recipe) -> str:

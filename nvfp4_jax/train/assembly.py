@@ -92,7 +92,7 @@ def resolve_startup(cfg: Config, mesh, *, trains: bool = True) -> Startup:
         backend=build.quantization_backend(m),
         attention_kernel=attention.kernel,
         attention_reason=attention.reason,
-        attention_projections=build.ATTENTION_FP8_RECIPE if m.attention_quantization == "fp8" else "bf16",
+        attention_projections=quant.recipe_name(m.attention_recipe),
         # MaxText casts the fp32 kernel to the compute dtype before its dot and TE quantizes that
         # copy; quantize_fp32_kernel=true quantizes the master kernel instead.
         kernel_dtype=None if m.quantize_fp32_kernel else m.dtype,

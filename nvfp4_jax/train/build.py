@@ -23,8 +23,6 @@ from nvfp4_jax.quant import health
 from nvfp4_jax.train.state import TrainState
 from nvfp4_jax.train.step import make_eval_step, make_quant_stats_step, make_train_step
 
-# The attention projections' recipe when `attention_quantization=fp8` (stateless FP8).
-ATTENTION_FP8_RECIPE = "te_fp8_currentscaling"
 # The model each `model_type` builds (config.choices.MODEL_TYPES).
 MODEL_CLASSES = {"llama": Llama, "vlm": VLM}
 
@@ -35,7 +33,7 @@ def quantization_backend(model_cfg: ModelConfig) -> quant.Backend:
     self-check). A backend that cannot run here is a ConfigError."""
     try:
         return quant.resolve_backend(
-            model_cfg.quantization_backend, model_cfg.quantization, model_cfg.quant_kernels,
+            model_cfg.quantization_backend, model_cfg.mlp_recipe, model_cfg.quant_kernels,
             allow_xla_fallback=model_cfg.xla_dequantize_fallback, attach_kernels=_attach_kernels,
         )
     except (ValueError, ImportError) as err:
@@ -80,12 +78,12 @@ def build_model(
         # copy; quantize_fp32_kernel=true quantizes the master kernel instead.
         kernel_dtype = None if model_cfg.quantize_fp32_kernel else model_cfg.dtype
         mlp_dot = backend.dot_general_factory(
-            model_cfg.quantization, quant_stats=quant_stats, kernel_dtype=kernel_dtype
+            model_cfg.mlp_recipe, quant_stats=quant_stats, kernel_dtype=kernel_dtype
         )
-        if model_cfg.attention_quantization == "fp8":
-            attention_dot = quant.dot_general_factory(
-                ATTENTION_FP8_RECIPE, quant_stats=quant_stats, kernel_dtype=kernel_dtype
-            )
+        # attention_quantization=fp8: stateless FP8 on the emulated executor, whatever the MLPs' backend
+        attention_dot = quant.dot_general_factory(
+            model_cfg.attention_recipe, quant_stats=quant_stats, kernel_dtype=kernel_dtype
+        )
         if model_cfg.model_type == "vlm":  # the vision tower's MLPs, on the same backend
             vision_dot = backend.dot_general_factory(
                 model_cfg.vision_recipe, quant_stats=quant_stats, kernel_dtype=kernel_dtype

@@ -79,7 +79,7 @@ def check_backend(record: dict, backend, model_cfg: ModelConfig) -> None:
     from nvfp4_jax import quant
 
     try:
-        quant.check_backend_resume(record.get("quantization_backend"), backend.name, model_cfg.quantization)
+        quant.check_backend_resume(record.get("quantization_backend"), backend.name, model_cfg.mlp_recipe)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

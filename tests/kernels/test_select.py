@@ -12,7 +12,7 @@ from nvfp4_jax import kernels
 from nvfp4_jax.config import ConfigError, make_config
 from nvfp4_jax.kernels import select
 from nvfp4_jax.kernels.quantize import fused_quantize
-from nvfp4_jax.quant import EMULATED, NVFP4Backend, gemm_operand, make_dot_general, nvfp4_gemm_operand
+from nvfp4_jax.quant import EMULATED, NVFP4Backend, gemm_operand, get_recipe, make_dot_general, nvfp4_gemm_operand
 from nvfp4_jax.quant.spec import OperandSpec
 from nvfp4_jax.train import build
 
@@ -93,7 +93,7 @@ def test_backward_hands_dy_to_operand_pair_once():
 
     def run(backend):
         def fn(x, w, g):
-            y, vjp = jax.vjp(lambda a, b: make_dot_general("te_nvfp4", key, backend=backend)(a, b, DIMS), x, w)
+            y, vjp = jax.vjp(lambda a, b: make_dot_general(get_recipe("te_nvfp4"), key, backend=backend)(a, b, DIMS), x, w)
             return (y, *vjp(g))
 
         return jax.jit(fn)(x, w, g)
@@ -120,7 +120,7 @@ def test_quantized_gemm_with_kernel_operands_has_the_emulated_bits(recipe):
 
     def fwd_bwd(backend):
         def fn(x, w, g, key):
-            dot = make_dot_general(recipe, key, backend=backend)
+            dot = make_dot_general(get_recipe(recipe), key, backend=backend)
             y, vjp = jax.vjp(lambda a, b: dot(a, b, DIMS, preferred_element_type=jnp.float32), x, w)
             return (y, *vjp(g))
 

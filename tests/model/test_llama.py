@@ -295,11 +295,11 @@ def test_parameter_count_of_presets(name, published):
 def test_quantized_projections_get_their_kernel_gradient_in_fp32(recipe):
     """WGRAD leaves the quantized dot in fp32: Dense hands it the fp32 kernel, not a bf16 copy."""
     from nvfp4_jax.model.layers import Dense
-    from nvfp4_jax.quant import dot_general_factory
+    from nvfp4_jax.quant import dot_general_factory, get_recipe
 
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 48), jnp.float32)
-    quantized = Dense(48, ("embed", "mlp"), dot_general_cls=dot_general_factory(recipe))
+    quantized = Dense(48, ("embed", "mlp"), dot_general_cls=dot_general_factory(get_recipe(recipe)))
     plain = Dense(48, ("embed", "mlp"))
     variables = nn.meta.unbox(
         jax.jit(quantized.init)({"params": jax.random.PRNGKey(2), "quant": jax.random.PRNGKey(3)}, x))

@@ -102,13 +102,13 @@ def test_the_vision_mlps_run_the_projects_quantized_dot_exactly_when_their_recip
     got = _vision_tokens(model, variables, images)
     bf16 = VisionEncoder(cfg).apply(vision_params, images)
     quantized = VisionEncoder(cfg, mlp_dot_general_cls=quant.dot_general_factory(
-        "te_nvfp4", kernel_dtype=cfg.dtype)).apply(vision_params, images, rngs=RNGS)
+        quant.get_recipe("te_nvfp4"), kernel_dtype=cfg.dtype)).apply(vision_params, images, rngs=RNGS)
     assert not np.allclose(quantized, bf16)  # NVFP4 changes the encoder's output
     if vision_quantization == "bf16":  # the decoder stays NVFP4, the vision tower does not
-        assert cfg.vision_recipe == "bf16"
+        assert cfg.vision_recipe == quant.get_recipe("bf16")
         np.testing.assert_array_equal(got, bf16)
     else:  # "" follows quantization: the vision MLPs are the project's te_nvfp4 dot, bit for bit
-        assert cfg.vision_recipe == "te_nvfp4"
+        assert cfg.vision_recipe == quant.get_recipe("te_nvfp4")
         np.testing.assert_array_equal(got, quantized)
 
 

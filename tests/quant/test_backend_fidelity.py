@@ -57,7 +57,7 @@ def test_bf16_kernel_quantizes_what_te_quantizes(recipe):
 
     def fwd_bwd(w, kernel_dtype):
         def fn(x, w):
-            dot = make_dot_general(recipe, key, kernel_dtype=kernel_dtype)
+            dot = make_dot_general(get_recipe(recipe), key, kernel_dtype=kernel_dtype)
             return dot(x, w, DIMS, preferred_element_type=jnp.float32)
 
         y, vjp = jax.vjp(fn, x, w)
@@ -89,7 +89,7 @@ def test_the_weight_operand_has_the_codes_of_the_bf16_kernel():
     stats = health.init_stats(get_recipe("nvfp4_no_sr"))
 
     def fn(x, w, stats):
-        return make_dot_general("nvfp4_no_sr", backend=backend, quant_stats=stats,
+        return make_dot_general(get_recipe("nvfp4_no_sr"), backend=backend, quant_stats=stats,
                                 kernel_dtype=jnp.bfloat16)(x, w, DIMS)
 
     _, vjp = jax.vjp(jax.jit(fn), x, w, stats)
@@ -124,11 +124,11 @@ def test_config_key_chooses_the_kernel_dtype():
 
 def test_explicit_xla_without_fp4_tensor_cores_is_an_error_naming_emulated():
     with pytest.raises(ValueError, match=r"dequantize-then-dot rewrite .*slower than quantization_backend=emulated.*xla_dequantize_fallback=true") as err:
-        choose_backend("xla", "te_nvfp4", probe=lambda: REWRITTEN)
+        choose_backend("xla", get_recipe("te_nvfp4"), probe=lambda: REWRITTEN)
     assert "\n" not in str(err.value)
-    allowed = choose_backend("xla", "te_nvfp4", probe=lambda: REWRITTEN, allow_xla_fallback=True)
+    allowed = choose_backend("xla", get_recipe("te_nvfp4"), probe=lambda: REWRITTEN, allow_xla_fallback=True)
     assert allowed.name == "xla"
-    assert choose_backend("xla", "te_nvfp4", probe=lambda: FUSED).name == "xla"
+    assert choose_backend("xla", get_recipe("te_nvfp4"), probe=lambda: FUSED).name == "xla"
 
 
 def test_config_error_on_this_machine():
@@ -146,11 +146,11 @@ def test_config_error_on_this_machine():
 @pytest.mark.parametrize("kernels_choice", ["pallas"])
 def test_pallas_kernels_under_xla_are_refused(kernels_choice):
     with pytest.raises(ValueError, match=r"^quant_kernels=pallas: the xla backend quantizes its own operands") as err:
-        resolve_backend("xla", "te_nvfp4", kernels_choice, probe=lambda: FUSED)
+        resolve_backend("xla", get_recipe("te_nvfp4"), kernels_choice, probe=lambda: FUSED)
     assert "\n" not in str(err.value)
     # auto and jnp say what they do instead.
     for choice in ("auto", "jnp"):
-        backend = resolve_backend("xla", "te_nvfp4", choice, probe=lambda: FUSED)
+        backend = resolve_backend("xla", get_recipe("te_nvfp4"), choice, probe=lambda: FUSED)
         assert backend.operands.startswith("jnp (the xla backend quantizes its own operands)")
 
 
@@ -164,16 +164,16 @@ def _processes(*outcomes):
 
 def test_processes_agree_on_the_weakest_probe():
     # Process 0's probe succeeds, process 1's fails: both end with emulated under auto ...
-    auto = choose_backend("auto", "te_nvfp4", probe=lambda: FUSED, gather=_processes(2, 0))
+    auto = choose_backend("auto", get_recipe("te_nvfp4"), probe=lambda: FUSED, gather=_processes(2, 0))
     assert auto.name == "emulated" and "on process(es) [1] of 2" in auto.reason
-    other = choose_backend("auto", "te_nvfp4", probe=lambda: ABSENT, gather=_processes(2, 0))
+    other = choose_backend("auto", get_recipe("te_nvfp4"), probe=lambda: ABSENT, gather=_processes(2, 0))
     assert other.name == "emulated"
     # ... and explicit xla is refused on both, naming the process.
     for probe in (FUSED, ABSENT):
         with pytest.raises(ValueError, match=r"does not lower on process\(es\) \[1\] of 2"):
-            choose_backend("xla", "te_nvfp4", probe=lambda p=probe: p, gather=_processes(2, 0))
+            choose_backend("xla", get_recipe("te_nvfp4"), probe=lambda p=probe: p, gather=_processes(2, 0))
     # Agreement keeps the local result.
-    assert choose_backend("auto", "te_nvfp4", probe=lambda: FUSED, gather=_processes(2, 2)).name == "xla"
+    assert choose_backend("auto", get_recipe("te_nvfp4"), probe=lambda: FUSED, gather=_processes(2, 2)).name == "xla"
 
 
 def test_processes_that_cannot_exchange_fail_in_one_line():
@@ -181,7 +181,7 @@ def test_processes_that_cannot_exchange_fail_in_one_line():
         raise RuntimeError("coordinator unreachable\nsecond line")
 
     with pytest.raises(ValueError, match=r"could not agree on the backend \(RuntimeError: coordinator unreachable\)") as err:
-        choose_backend("auto", "te_nvfp4", probe=lambda: FUSED, gather=broken)
+        choose_backend("auto", get_recipe("te_nvfp4"), probe=lambda: FUSED, gather=broken)
     assert "\n" not in str(err.value)
 
 
@@ -190,14 +190,14 @@ import sys
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-from nvfp4_jax.quant import choose_backend
+from nvfp4_jax.quant import choose_backend, get_recipe
 from nvfp4_jax.quant.xla_backend import ScaledMatmulProbe
 # The xla probe stubbed to succeed on process 0 only.
 ok = jax.process_index() == 0
 probe = lambda: ScaledMatmulProbe(ok, ok, "stub " + ("fused" if ok else "absent"))
-print("auto", choose_backend("auto", "te_nvfp4", probe=probe).name)
+print("auto", choose_backend("auto", get_recipe("te_nvfp4"), probe=probe).name)
 try:
-    print("xla", choose_backend("xla", "te_nvfp4", probe=probe).name)
+    print("xla", choose_backend("xla", get_recipe("te_nvfp4"), probe=probe).name)
 except ValueError as err:
     print("xla error", str(err).splitlines()[0])
 """

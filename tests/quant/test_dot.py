@@ -79,11 +79,11 @@ def _np(a):
 
 @pytest.mark.parametrize("flag", ["bf16", ""])
 def test_bf16_is_exactly_lax_dot_general(flag):
-    assert make_dot_general(flag) is lax.dot_general
+    assert make_dot_general(get_recipe(flag)) is lax.dot_general
     # Any dimension numbers pass through, and outputs and gradients are bitwise lax's.
     x, w = _data((2, 3, 8), 0, jnp.bfloat16), _data((2, 8, 5), 1, jnp.bfloat16)
     dims = (((2,), (1,)), ((0,), (0,)))
-    ours = jax.jit(jax.value_and_grad(lambda x, w: make_dot_general(flag)(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
+    ours = jax.jit(jax.value_and_grad(lambda x, w: make_dot_general(get_recipe(flag))(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
     ref = jax.jit(jax.value_and_grad(lambda x, w: lax.dot_general(x, w, dims).astype(jnp.float32).sum(), (0, 1)))
     assert_same_bits(ours(x, w), ref(x, w))
 
@@ -100,7 +100,7 @@ def test_forward_equals_dequantized_product():
     """
     x = _data((2, 16, K), 4)  # leading dims flatten into T=32 tokens
     w = _data((K, N), 5)
-    dot = make_dot_general("te_nvfp4", KEY)
+    dot = make_dot_general(get_recipe("te_nvfp4"), KEY)
     run = jax.jit(lambda x, w: dot(x, w, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32))
     y = run(x, w)
     assert y.shape == (2, 16, N) and y.dtype == jnp.float32
@@ -112,7 +112,7 @@ def test_forward_equals_dequantized_product():
 
 def test_forward_bf16_output_is_the_rounded_fp32_product(xwg):
     x, w, _ = xwg
-    dot = make_dot_general("te_nvfp4", KEY)
+    dot = make_dot_general(get_recipe("te_nvfp4"), KEY)
 
     @jax.jit
     def both(x, w):
@@ -126,11 +126,11 @@ def test_forward_bf16_output_is_the_rounded_fp32_product(xwg):
 
 def test_dtypes_follow_the_inputs(xwg):
     x, w, g = xwg
-    y, dx, dw = _fwd_bwd_jit("te_nvfp4", KEY, x.astype(jnp.bfloat16), w, g)
+    y, dx, dw = _fwd_bwd_jit(get_recipe("te_nvfp4"), KEY, x.astype(jnp.bfloat16), w, g)
     # lhs bf16, rhs fp32: output the promoted type (as lax.dot_general), each cotangent its primal's.
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
     # preferred_element_type wins, whatever object spells the dtype (np.dtype is falsy).
-    dot = make_dot_general("te_nvfp4", KEY)
+    dot = make_dot_general(get_recipe("te_nvfp4"), KEY)
     bx, bw = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     for pref in (np.dtype("float32"), jnp.float32, "float32"):
         assert jax.eval_shape(lambda a, b: dot(a, b, DIMS, preferred_element_type=pref), bx, bw).dtype == jnp.float32
@@ -327,7 +327,7 @@ def test_rht_changes_wgrad_only_by_quantization_error(xwg):
     within the NVFP4 GEMM error of the exact X^T dY (stated bound: 15% relative Frobenius; a
     1x16 NVFP4 GEMM on Gaussian data lands near 10%), and FPROP/DGRAD are untouched."""
     x, w, g = xwg
-    y_a, dx_a, dw_a = _fwd_bwd_jit("nvfp4_no_sr", None, x, w, g)
+    y_a, dx_a, dw_a = _fwd_bwd_jit(get_recipe("nvfp4_no_sr"), None, x, w, g)
     no_rht = dataclasses.replace(get_recipe("nvfp4_no_sr"), rht_wgrad=False)
     y_b, dx_b, dw_b = _fwd_bwd_jit(no_rht, None, x, w, g)
     exact = _np(x).T @ _np(g)
@@ -343,9 +343,9 @@ def test_rht_changes_wgrad_only_by_quantization_error(xwg):
 
 def test_step_keys_change_dgrad_and_same_key_reproduces(xwg):
     x, w, g = xwg
-    _, dx1, dw1 = _fwd_bwd_jit("te_nvfp4", jax.random.fold_in(KEY, 1), x, w, g)
-    _, dx1b, dw1b = _fwd_bwd_jit("te_nvfp4", jax.random.fold_in(KEY, 1), x, w, g)
-    _, dx2, dw2 = _fwd_bwd_jit("te_nvfp4", jax.random.fold_in(KEY, 2), x, w, g)
+    _, dx1, dw1 = _fwd_bwd_jit(get_recipe("te_nvfp4"), jax.random.fold_in(KEY, 1), x, w, g)
+    _, dx1b, dw1b = _fwd_bwd_jit(get_recipe("te_nvfp4"), jax.random.fold_in(KEY, 1), x, w, g)
+    _, dx2, dw2 = _fwd_bwd_jit(get_recipe("te_nvfp4"), jax.random.fold_in(KEY, 2), x, w, g)
     assert np.array_equal(np.asarray(dx1), np.asarray(dx1b))
     assert np.array_equal(np.asarray(dw1), np.asarray(dw1b))
     assert not np.array_equal(np.asarray(dx1), np.asarray(dx2))
@@ -361,11 +361,11 @@ def test_sr_dgrad_is_unbiased_over_keys(xwg):
     """
     x, w, g = xwg
     keys = jax.random.split(KEY, 512)
-    dgrad = jax.jit(jax.vmap(lambda k: _fwd_bwd("te_nvfp4", k, x, w, g)[1]))
+    dgrad = jax.jit(jax.vmap(lambda k: _fwd_bwd(get_recipe("te_nvfp4"), k, x, w, g)[1]))
     mean_dx = np.asarray(dgrad(keys), np.float64).mean(0)
     w_hat = _deq_nvfp4(w, two_d=True)
     target = _np(g) @ w_hat.T
-    rn_dx = _fwd_bwd_jit("nvfp4_no_sr", None, x, w, g)[1]
+    rn_dx = _fwd_bwd_jit(get_recipe("nvfp4_no_sr"), None, x, w, g)[1]
     err_mean, err_rn = _rel(mean_dx, target), _rel(rn_dx, target)
     assert err_mean < 0.015, err_mean
     assert err_mean < err_rn / 4, (err_mean, err_rn)
@@ -397,7 +397,7 @@ def test_mlp_gradients_close_to_fp32_at_any_scale():
     params = {"w1": _data((64, 128), 12, scale=0.125), "w2": _data((128, 32), 13, scale=0.09)}
     f32_dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
     keys = jax.random.split(KEY, 2)
-    dots = make_dot_general("te_nvfp4", keys[0]), make_dot_general("te_nvfp4", keys[1])
+    dots = make_dot_general(get_recipe("te_nvfp4"), keys[0]), make_dot_general(get_recipe("te_nvfp4"), keys[1])
     grad = jax.jit(jax.grad(_mlp_loss), static_argnums=(3, 4))
     fp32 = grad(params, x, t, f32_dot, f32_dot, 1.0)
     ours = grad(params, x, t, *dots, 1.0)
@@ -426,7 +426,7 @@ def test_fp8_current_scaling_gemms(dtypes, xwg):
     def refs(x, w, g, sx, sw, sg):
         return [dequantize_fp8(quantize_fp8(a, s, f)) for a, s, f in ((x, sx, "e4m3"), (w, sw, "e4m3"), (g, sg, "e5m2"))]
 
-    y, dx, dw = _fwd_bwd_jit("te_fp8_currentscaling", None, x, w, g)
+    y, dx, dw = _fwd_bwd_jit(get_recipe("te_fp8_currentscaling"), None, x, w, g)
     qx, qw, qg = map(_np, refs(x, w, g, scale(x, "e4m3"), scale(w, "e4m3"), scale(g, "e5m2")))
     for got, (want, terms), n in [(y, einsum_with_terms("tk,kn->tn", qx, qw), K),
                                   (dx, einsum_with_terms("tn,kn->tk", qg, qw), N),
@@ -443,7 +443,7 @@ def test_mxfp4_gemms(dtypes, xwg):
     def refs(x, w, g):
         return [dequantize(quantize_mxfp4(a, axis=axis)) for a in (x, w, g) for axis in (0, 1)]
 
-    y, dx, dw = _fwd_bwd_jit("mxfp4", None, x, w, g)
+    y, dx, dw = _fwd_bwd_jit(get_recipe("mxfp4"), None, x, w, g)
     x0, x1, w0, w1, g0, g1 = map(_np, refs(x, w, g))
     for got, (want, terms), n in [(y, einsum_with_terms("tk,kn->tn", x1, w0), K),
                                   (dx, einsum_with_terms("tn,kn->tk", g1, w1), N),
@@ -459,9 +459,9 @@ def test_mxfp4_nvfp4_recipe_gradients_close_to_fp32_and_reproducible(xwg):
     bf16 (0.003) or FP8 GEMM would give: the GEMMs really are FP4."""
     x, w, g = xwg
     k1, k2 = jax.random.fold_in(KEY, 1), jax.random.fold_in(KEY, 2)
-    y, dx, dw = _fwd_bwd_jit("mxfp4_nvfp4_recipe", k1, x, w, g)
-    again = _fwd_bwd_jit("mxfp4_nvfp4_recipe", k1, x, w, g)
-    y2, dx2, dw2 = _fwd_bwd_jit("mxfp4_nvfp4_recipe", k2, x, w, g)
+    y, dx, dw = _fwd_bwd_jit(get_recipe("mxfp4_nvfp4_recipe"), k1, x, w, g)
+    again = _fwd_bwd_jit(get_recipe("mxfp4_nvfp4_recipe"), k1, x, w, g)
+    y2, dx2, dw2 = _fwd_bwd_jit(get_recipe("mxfp4_nvfp4_recipe"), k2, x, w, g)
     for got, want in [(y, _np(x) @ _np(w)), (dx, _np(g) @ _np(w).T), (dw, _np(x).T @ _np(g))]:
         assert np.isfinite(_np(got)).all()
         assert 0.05 < _rel(got, want) < 0.3, _rel(got, want)
@@ -473,7 +473,7 @@ def test_mxfp4_nvfp4_recipe_gradients_close_to_fp32_and_reproducible(xwg):
 
 def test_nonfinite_input_gives_nan_output(xwg):
     x, w, g = xwg
-    y, dx, dw = _fwd_bwd_jit("te_nvfp4", KEY, x.at[3, 5].set(jnp.inf), w, g)
+    y, dx, dw = _fwd_bwd_jit(get_recipe("te_nvfp4"), KEY, x.at[3, 5].set(jnp.inf), w, g)
     assert np.isnan(np.asarray(y)).all() and np.isnan(np.asarray(dw)).all()
 
 
@@ -491,7 +491,7 @@ def test_nonfinite_input_gives_nan_output(xwg):
     ],
 )
 def test_unsupported_dimension_numbers(lhs_shape, rhs_shape, dims):
-    dot = make_dot_general("te_nvfp4", KEY)
+    dot = make_dot_general(get_recipe("te_nvfp4"), KEY)
     with pytest.raises(ValueError, match=r"supports only the dense layer case lhs\[\.\.\., K\] x rhs\[K, N\]") as err:
         dot(jnp.ones(lhs_shape), jnp.ones(rhs_shape), dims)
     assert repr(dims) in str(err.value) and str(tuple(lhs_shape)) in str(err.value)
@@ -499,7 +499,7 @@ def test_unsupported_dimension_numbers(lhs_shape, rhs_shape, dims):
 
 def test_contracting_sizes_must_match():
     with pytest.raises(ValueError, match="contracting sizes differ"):
-        make_dot_general("te_nvfp4", KEY)(jnp.ones((32, 64)), jnp.ones((48, 32)), DIMS)
+        make_dot_general(get_recipe("te_nvfp4"), KEY)(jnp.ones((32, 64)), jnp.ones((48, 32)), DIMS)
 
 
 @pytest.mark.parametrize(
@@ -516,13 +516,13 @@ def test_contracting_sizes_must_match():
 )
 def test_indivisible_sizes(flag, lhs_shape, rhs_shape, match):
     with pytest.raises(ValueError, match=match):
-        make_dot_general(flag, KEY)(jnp.ones(lhs_shape), jnp.ones(rhs_shape), DIMS if len(lhs_shape) == 2 else (((2,), (0,)), ((), ())))
+        make_dot_general(get_recipe(flag), KEY)(jnp.ones(lhs_shape), jnp.ones(rhs_shape), DIMS if len(lhs_shape) == 2 else (((2,), (0,)), ((), ())))
 
 
 def test_fp8_has_no_block_constraint():
     # 3x5 @ 5x7: no dimension a multiple of 16, and still the product of the E4M3 operands.
     x, w = _data((3, 5), 20), _data((5, 7), 21)
-    dot = make_dot_general("te_fp8_currentscaling")
+    dot = make_dot_general(get_recipe("te_fp8_currentscaling"))
     y = jax.jit(lambda a, b: dot(a, b, DIMS, preferred_element_type=jnp.float32))(x, w)
     x_hat, w_hat = (np.asarray(dequantize_fp8(quantize_fp8(a, np.float32(448) / np.float32(np.abs(_np(a)).max()), "e4m3")),
                                np.float64) for a in (x, w))
@@ -535,27 +535,27 @@ def test_fp8_has_no_block_constraint():
 
 def test_unknown_recipe():
     with pytest.raises(ValueError, match="unknown quantization recipe 'nvfp5'.*'te_nvfp4'"):
-        make_dot_general("nvfp5")
+        make_dot_general(get_recipe("nvfp5"))
 
 
 def test_sr_recipe_without_key():
     with pytest.raises(ValueError, match="te_nvfp4 rounds gradients stochastically and needs a PRNG key"):
-        make_dot_general("te_nvfp4")
-    make_dot_general("nvfp4_no_sr")  # round-to-nearest needs none
+        make_dot_general(get_recipe("te_nvfp4"))
+    make_dot_general(get_recipe("nvfp4_no_sr"))  # round-to-nearest needs none
     with pytest.raises(ValueError, match="mxfp4_nvfp4_recipe rounds gradients stochastically"):
-        make_dot_general("mxfp4_nvfp4_recipe")
-    make_dot_general("mxfp4")
+        make_dot_general(get_recipe("mxfp4_nvfp4_recipe"))
+    make_dot_general(get_recipe("mxfp4"))
 
 
 def test_fp8_meta_only_for_delayed_scaling():
     from nvfp4_jax.quant.fp8_delayed import init_fp8_meta
 
     with pytest.raises(ValueError, match="needs its amax-history state"):
-        make_dot_general("te_fp8_delayedscaling")
+        make_dot_general(get_recipe("te_fp8_delayedscaling"))
     with pytest.raises(ValueError, match="keeps no FP8 state"):
-        make_dot_general("te_fp8_currentscaling", fp8_meta=init_fp8_meta())
+        make_dot_general(get_recipe("te_fp8_currentscaling"), fp8_meta=init_fp8_meta())
     with pytest.raises(ValueError, match=r"expected \(1024,\)"):
-        make_dot_general("te_fp8_delayedscaling", fp8_meta=init_fp8_meta(16))
+        make_dot_general(get_recipe("te_fp8_delayedscaling"), fp8_meta=init_fp8_meta(16))
 
 
 def test_emulated_dot_computes_the_factors_once_per_pass(monkeypatch, xwg):
@@ -573,7 +573,7 @@ def test_emulated_dot_computes_the_factors_once_per_pass(monkeypatch, xwg):
 
     def trace(backend):
         calls.clear()
-        dot = make_dot_general("te_nvfp4", KEY, backend=backend)
+        dot = make_dot_general(get_recipe("te_nvfp4"), KEY, backend=backend)
         jax.make_jaxpr(jax.vjp(lambda a, b: dot(a, b, DIMS), x, w)[1])(g)
         return list(calls)
 

@@ -11,7 +11,7 @@ import pytest
 from bitwise import assert_same_bits
 from jax import lax
 
-from nvfp4_jax.quant import init_fp8_meta
+from nvfp4_jax.quant import get_recipe, init_fp8_meta
 from nvfp4_jax.quant.dot import make_dot_general
 from nvfp4_jax.quant.flax_dot import QuantDotGeneral, dot_general_factory, quant_rngs
 
@@ -69,16 +69,16 @@ def _init_params(x):
 
 
 def test_bf16_factory_is_none_and_module_is_bitwise_lax(x):
-    assert dot_general_factory("bf16") is None and dot_general_factory("") is None
+    assert dot_general_factory(get_recipe("bf16")) is None and dot_general_factory(get_recipe("")) is None
     ref_model = TwoLayers(None)
     variables = _init_params(x)
     ref = _grads_jit(ref_model, variables, x, {})
-    ours = _grads_jit(TwoLayers(functools.partial(QuantDotGeneral, recipe="bf16")), variables, x, {})
+    ours = _grads_jit(TwoLayers(functools.partial(QuantDotGeneral, recipe=get_recipe("bf16"))), variables, x, {})
     assert_same_bits(ours, ref)
 
 
 def test_nvfp4_module_submodules_keys_and_reproducibility(x):
-    model = TwoLayers(dot_general_factory("te_nvfp4"))
+    model = TwoLayers(dot_general_factory(get_recipe("te_nvfp4")))
     # init needs no "quant" stream (traced only: the parameters are all it makes).
     assert set(jax.eval_shape(model.init, jax.random.PRNGKey(1), x)) == {"params"}
     variables = _init_params(x)
@@ -94,14 +94,14 @@ def test_nvfp4_module_submodules_keys_and_reproducibility(x):
     assert not np.array_equal(np.asarray(dp1["kernel_0"]), np.asarray(dp2["kernel_0"]))
     # The forward equals the pure-function form's (no randomness in FPROP).
     dims = (((2,), (0,)), ((), ()))
-    dot = make_dot_general("te_nvfp4", key)
+    dot = make_dot_general(get_recipe("te_nvfp4"), key)
     forward = jax.jit(lambda x, p: dot(jax.nn.gelu(dot(x, p["kernel_0"], dims)), p["kernel_1"], dims))
     want = forward(x, variables["params"])
     assert np.array_equal(np.asarray(y1), np.asarray(want))
 
 
 def test_layers_get_different_sr_keys():
-    model = Twins(dot_general_factory("te_nvfp4"))
+    model = Twins(dot_general_factory(get_recipe("te_nvfp4")))
     x = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
     w = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
     g = jax.random.normal(jax.random.PRNGKey(2), (32, 32))
@@ -120,16 +120,16 @@ def test_layers_get_different_sr_keys():
 
 @pytest.mark.parametrize("flag, rn_flag", [("te_nvfp4", "nvfp4_no_sr"), ("mxfp4_nvfp4_recipe", "mxfp4")])
 def test_apply_without_the_quant_stream_is_a_clear_error(x, flag, rn_flag):
-    model = TwoLayers(dot_general_factory(flag))
+    model = TwoLayers(dot_general_factory(get_recipe(flag)))
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(1), x)
     with pytest.raises(ValueError, match=rf"QuantDotGeneral\({flag}\).*needs the rng stream 'quant'.*rngs=\{{'quant': key\}}"):
         jax.eval_shape(model.apply, variables, x)
     # Round-to-nearest recipes draw nothing.
-    jax.eval_shape(TwoLayers(dot_general_factory(rn_flag)).apply, variables, x)
+    jax.eval_shape(TwoLayers(dot_general_factory(get_recipe(rn_flag))).apply, variables, x)
 
 
 def test_fp8_delayed_state_lives_in_fp8_meta_and_updates_by_gradient(x):
-    model = TwoLayers(dot_general_factory("te_fp8_delayedscaling"))
+    model = TwoLayers(dot_general_factory(get_recipe("te_fp8_delayedscaling")))
     variables = jax.jit(model.init)(jax.random.PRNGKey(1), x)
     assert set(variables) == {"params", "fp8_meta"}
     expected = init_fp8_meta(1024)
@@ -165,9 +165,9 @@ def test_fp8_delayed_state_lives_in_fp8_meta_and_updates_by_gradient(x):
 
 
 def test_factory_works_as_flax_dense_dot_general_cls(x):
-    dense = nn.Dense(32, use_bias=False, dot_general_cls=dot_general_factory("nvfp4_no_sr"))
+    dense = nn.Dense(32, use_bias=False, dot_general_cls=dot_general_factory(get_recipe("nvfp4_no_sr")))
     variables = jax.jit(dense.init)(jax.random.PRNGKey(0), x)
-    dot = make_dot_general("nvfp4_no_sr")
+    dot = make_dot_general(get_recipe("nvfp4_no_sr"))
     y, want = jax.jit(
         lambda v, x: (dense.apply(v, x), dot(x, v["params"]["kernel"], (((2,), (0,)), ((), ()))))
     )(variables, x)
@@ -178,3 +178,13 @@ def test_quant_rngs_gives_our_stream_and_tes():
     rngs = quant_rngs(jax.random.PRNGKey(0))
     assert set(rngs) == {"quant", "sr_rng"}
     assert not np.array_equal(np.asarray(rngs["quant"]), np.asarray(rngs["sr_rng"]))
+
+
+def test_the_quantized_dots_take_a_recipe_not_a_flag():
+    """A flag string is resolved once, at the config (`get_recipe`); below it every entry point
+    takes the `Recipe` and names the fix when handed a string."""
+    from nvfp4_jax.quant import make_dot_general
+
+    for build in (lambda: dot_general_factory("te_nvfp4"), lambda: make_dot_general("te_nvfp4")):
+        with pytest.raises(TypeError, match=r"takes a Recipe, not 'te_nvfp4'.*get_recipe\('te_nvfp4'\)"):
+            build()

@@ -158,7 +158,7 @@ def test_the_dot_returns_each_operands_statistics_and_leaves_the_gemms_alone(fla
     key = jax.random.PRNGKey(3)
 
     def loss(x, w, stats):
-        dot = make_dot_general(flag, key if recipe.needs_rng else None, quant_stats=stats)
+        dot = make_dot_general(recipe, key if recipe.needs_rng else None, quant_stats=stats)
         return jnp.sum(dot(x, w, DIMS, preferred_element_type=jnp.float32) * c)
 
     with_stats = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w, health.init_stats(recipe))
@@ -209,7 +209,7 @@ def _reference_stats(recipe, x, w, g, key):
 
 def test_a_malformed_statistics_pytree_is_refused():
     with pytest.raises(ValueError, match="quant_stats must have the structure"):
-        make_dot_general("nvfp4_no_sr", quant_stats={"x": {"amax": jnp.zeros(())}})
+        make_dot_general(get_recipe("nvfp4_no_sr"), quant_stats={"x": {"amax": jnp.zeros(())}})
     with pytest.raises(ValueError, match="BF16 GEMM quantizes nothing"):
         health.init_stats(get_recipe("bf16"))
 
@@ -230,7 +230,7 @@ class _Block(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         w = self.param("w", nn.initializers.normal(0.2), (x.shape[-1], x.shape[-1]))
-        dot = QuantDotGeneral("nvfp4_no_sr", quant_stats=True)
+        dot = QuantDotGeneral(get_recipe("nvfp4_no_sr"), quant_stats=True)
         y = dot(x, w.astype(jnp.bfloat16), DIMS, preferred_element_type=jnp.float32)
         return jnp.tanh(y).astype(jnp.bfloat16), None
 

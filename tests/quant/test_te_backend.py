@@ -32,8 +32,8 @@ def test_te_is_not_imported_by_the_package():
         "import sys\n"
         "import nvfp4_jax.quant, nvfp4_jax.train.build, nvfp4_jax.model\n"
         "from nvfp4_jax.config import load_config\n"
-        "from nvfp4_jax.quant import make_dot_general\n"
-        "make_dot_general('nvfp4_no_sr')\n"
+        "from nvfp4_jax.quant import get_recipe, make_dot_general\n"
+        "make_dot_general(get_recipe('nvfp4_no_sr'))\n"
         "nvfp4_jax.train.build.build_model(load_config(['quantization=te_nvfp4']).model)\n"
         "sys.exit(3 if 'transformer_engine' in sys.modules else 0)\n"
     )
@@ -82,7 +82,7 @@ def test_te_without_te_says_what_is_missing():
 
 def test_make_dot_general_takes_no_te_backend():
     with pytest.raises(ValueError, match="QuantDotGeneral"):
-        make_dot_general("te_nvfp4", jax.random.PRNGKey(0), backend=TE)
+        make_dot_general(get_recipe("te_nvfp4"), jax.random.PRNGKey(0), backend=TE)
 
 
 # --- with a stand-in for TE's public API: our side of the contract ------------------------------
@@ -255,15 +255,15 @@ def test_te_support_test_is_asked_for_this_recipe(fake_te):
     assert "compute capability >= 100" in reason
     # ... and so is the explicit choice at start-up, and a traced module.
     with pytest.raises(TEUnavailableError, match="compute capability"):
-        choose_backend("te", "te_nvfp4_no_rht")
-    mod = QuantDotGeneral(recipe="te_nvfp4_no_rht", nvfp4_backend=TE)
+        choose_backend("te", get_recipe("te_nvfp4_no_rht"))
+    mod = QuantDotGeneral(recipe=get_recipe("te_nvfp4_no_rht"), nvfp4_backend=TE)
     with _scope(), pytest.raises(TEUnavailableError, match="compute capability"):
         mod.init(quant_rngs(jax.random.PRNGKey(0)), jnp.ones((16, 32)), jnp.ones((32, 16)), DIMS)
 
 
 def test_te_choice_names_the_version(fake_te):
     fake_te(version="2.14.1")
-    choice = choose_backend("te", "te_nvfp4")
+    choice = choose_backend("te", get_recipe("te_nvfp4"))
     assert choice.name == "te" and "Transformer Engine 2.14.1 runs te_nvfp4" in choice.line
     assert te_backend.te_unavailable_reason(get_recipe("te_nvfp4")) is None
 
@@ -279,7 +279,7 @@ def test_mesh_resource_scope_sets_and_restores(fake_te):
 @pytest.mark.parametrize("preferred, want", [(jnp.float32, jnp.float32), (None, jnp.float32)])
 def test_flax_module_delegates_to_te_and_casts_its_output(fake_te, preferred, want):
     fake = fake_te()
-    mod = QuantDotGeneral(recipe="te_nvfp4", nvfp4_backend=TE)
+    mod = QuantDotGeneral(recipe=get_recipe("te_nvfp4"), nvfp4_backend=TE)
     x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
     key = jax.random.PRNGKey(1)
     with _scope():

@@ -16,6 +16,7 @@ from tolerance import assert_close_to_sum, einsum_with_terms, gamma
 
 from nvfp4_jax.quant import (
     dequantize,
+    get_recipe,
     make_backend,
     make_dot_general,
     nvfp4_gemm_operand,
@@ -129,7 +130,7 @@ def test_each_gemm_hands_scaled_matmul_the_spec_operands():
 
     @jax.jit
     def fwd_bwd(x, w, g):
-        y, vjp = jax.vjp(lambda a, b: make_dot_general("te_nvfp4", KEY, backend=backend)(
+        y, vjp = jax.vjp(lambda a, b: make_dot_general(get_recipe("te_nvfp4"), KEY, backend=backend)(
             a, b, (((1,), (0,)), ((), ()))), x, w)
         return y, vjp(g)
 
@@ -171,7 +172,7 @@ def test_each_gemm_hands_scaled_matmul_the_spec_operands():
 def _fwd_bwd(flag, backend, x, w, g):
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     kw = {} if backend is None else dict(backend=backend)
-    y, vjp = jax.vjp(lambda a, b: make_dot_general(flag, KEY, **kw)(
+    y, vjp = jax.vjp(lambda a, b: make_dot_general(get_recipe(flag), KEY, **kw)(
         a, b, dims, preferred_element_type=jnp.float32), x, w)
     return (y, *vjp(g))
 
@@ -234,8 +235,8 @@ def test_a_wrong_scale_layout_would_be_caught():
     w = _data((64, 64), 2, jnp.float32) * jnp.repeat(jnp.repeat(
         jnp.asarray(np.random.default_rng(0).uniform(0.1, 10, (4, 4)), jnp.float32), 16, 0), 16, 1)
     x = _data((32, 64), 1)
-    bad = make_dot_general("nvfp4_no_sr", backend=XLA.__class__("xla", swapped, XLA.gemm))
-    good = make_dot_general("nvfp4_no_sr", backend=XLA)
+    bad = make_dot_general(get_recipe("nvfp4_no_sr"), backend=XLA.__class__("xla", swapped, XLA.gemm))
+    good = make_dot_general(get_recipe("nvfp4_no_sr"), backend=XLA)
     dims = (((1,), (0,)), ((), ()))
     a, b = np.asarray(bad(x, w, dims), np.float64), np.asarray(good(x, w, dims), np.float64)
     assert np.abs(a - b).max() > 0.05 * np.abs(b).max()
@@ -250,7 +251,7 @@ def test_quant_dot_general_runs_the_xla_backend():
     dims = (((2,), (0,)), ((), ()))
 
     def loss_and_grads(backend):
-        mod = QuantDotGeneral("te_nvfp4", nvfp4_backend=backend)
+        mod = QuantDotGeneral(get_recipe("te_nvfp4"), nvfp4_backend=backend)
 
         def loss(x, w):
             y = mod.apply({}, x, w, dims, preferred_element_type=jnp.float32, rngs=quant_rngs(KEY))
