@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             poc.run(job_lib.build_job(spec), [s.name for s in spec.sites], os.path.join(workspace, "poc"),
-                    spec.output_dir)
+                    spec.output_dir, rounds=spec.rounds)
         except poc.PocError as exc:
             return fail(exc, Exit.INTERNAL)
         for record in _rounds(spec.output_dir):  # the server's lines went to its own log

@@ -8,7 +8,6 @@ Run by FLARE (`ScriptRunner`), one per site, with the site's own arguments:
   --slowdown F          experiments: stretch compute time by F (a slower site), >= 1
   --watts W             energy model, joules = W x busy seconds, where no counter is readable
   --crash-in-round R    fault injection for tests: raise in round R
-  --kill-in-round R     fault injection for tests: the site's process SIGKILLs itself in round R
 
 A site of an exported job reads its data path from a site-local setting (`site_data_path`), not
 from the job: the environment variable NVFP4_JAX_SITE_DATA of the site's FLARE processes, else
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 
 SITE_DATA_ENV = "NVFP4_JAX_SITE_DATA"
@@ -62,7 +60,6 @@ def _args(argv):
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--watts", type=float, default=None)
     p.add_argument("--crash-in-round", type=int, default=0)
-    p.add_argument("--kill-in-round", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -82,10 +79,6 @@ def main(argv=None) -> None:
         if received is None:
             break
         spec = received.meta[META_KEY]
-        if args.kill_in_round and spec["round"] == args.kill_in_round:
-            # fault injection for tests: the site dies as under kill -9 (no result, no goodbye)
-            print(f"{site}: killing this site's process (SIGKILL) in round {spec['round']}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
         try:
             payload, report, contract = _train_round(args, site, spec, received, state)
         except Exception as exc:  # a failed round: reported, left out of the average; the job goes on

@@ -26,7 +26,6 @@ class SiteSpec:
     devices: int = 0
     device_offset: int = 0
     crash_in_round: int = 0
-    kill_in_round: int = 0  # tests: the site's process SIGKILLs itself in this round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +65,6 @@ def _script_args(site: SiteSpec) -> str:
         args.append(f"--watts {site.watts}")
     if site.crash_in_round:
         args.append(f"--crash-in-round {site.crash_in_round}")
-    if site.kill_in_round:
-        args.append(f"--kill-in-round {site.kill_in_round}")
     return " ".join(args)
 
 
