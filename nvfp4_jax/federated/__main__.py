@@ -48,7 +48,8 @@ Options:
   --round-timeout S         seconds a round waits for results (default 0: forever)
   --disk-offload            the server keeps each round's running sum of the updates in files
                             on disk, not in memory (docs/federated.md, "Big models")
-  --stream-tensors          FLARE tensor streaming for the model exchange (big models; needs torch)
+  --stream-tensors          FLARE tensor streaming for the model exchange (big models); needs
+                            torch, which the federated extra does not install (pip install torch)
   --env E                   sim | poc (default sim): run the job in FLARE's simulator, or in
                             FLARE's POC mode (a server and one client process per site on
                             loopback, through the admin API; docs/federated.md)
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -221,6 +223,9 @@ def build_spec(argv: list[str]):
         raise ConfigError("--update adapters sends the LoRA adapters: give the model some (lora_rank=8, say)")
     if contract.kind == "adapters" and cfg.train.train_params == "all":
         raise ConfigError("--update adapters trains the adapters alone: drop train_params=all")
+    if args.stream_tensors and importlib.util.find_spec("torch") is None:
+        raise ConfigError("--stream-tensors needs torch (FLARE's tensor streamers import it), which "
+                          "nvfp4_jax[federated] does not install: pip install torch")
     if args.env not in ENVS:
         raise ConfigError(f"--env={args.env!r} is not allowed: one of {', '.join(ENVS)}")
     if args.weighting not in contract_lib.WEIGHTINGS:
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             poc.run(job_lib.build_job(spec), [s.name for s in spec.sites], os.path.join(workspace, "poc"),
-                    spec.output_dir)
+                    spec.output_dir, rounds=spec.rounds)
         except poc.PocError as exc:
             return fail(exc, Exit.INTERNAL)
         for record in _rounds(spec.output_dir):  # the server's lines went to its own log

@@ -2,17 +2,54 @@
 budget on local data with this project's trainer, send back the update the contract declares.
 
 Run by FLARE (`ScriptRunner`), one per site, with the site's own arguments:
-  --data-path PATH      this site's training text (`dataset_type=text`); empty: the config's data
+  --data-path PATH      this site's training text (`dataset_type=text`), as the simulator and POC
+                        mode pass it; empty (an exported job): the site's own setting (below)
   --devices K           local devices this site trains on (FSDP over them); 0: all
   --slowdown F          experiments: stretch compute time by F (a slower site), >= 1
   --watts W             energy model, joules = W x busy seconds, where no counter is readable
   --crash-in-round R    fault injection for tests: raise in round R
+
+A site of an exported job reads its data path from a site-local setting (`site_data_path`), not
+from the job: the environment variable NVFP4_JAX_SITE_DATA of the site's FLARE processes, else
+`data_path` in `local/nvfp4_jax_site.json` of the site's FLARE workspace (a relative path there is
+relative to the workspace); with neither, the run config's own data (the bundled corpus by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+
+SITE_DATA_ENV = "NVFP4_JAX_SITE_DATA"
+SITE_SETTINGS = os.path.join("local", "nvfp4_jax_site.json")  # in the site's FLARE workspace
+
+
+def site_data_path(given: str, environ=None, workspace: str = "") -> tuple[str, str]:
+    """(the site's training text, where that came from): the job's own `--data-path` (the
+    simulator, POC mode), else NVFP4_JAX_SITE_DATA, else `data_path` in the workspace's
+    `local/nvfp4_jax_site.json`, else ("", "config"): the run config's own data. FLARE runs a
+    site's processes in its workspace, the default `workspace`. A path that is not a file raises
+    ValueError naming the setting it came from."""
+    environ = os.environ if environ is None else environ
+    workspace = workspace or os.getcwd()
+    settings = os.path.join(workspace, SITE_SETTINGS)
+    if given:
+        path, source = given, "--data-path"
+    elif environ.get(SITE_DATA_ENV):
+        path, source = environ[SITE_DATA_ENV], SITE_DATA_ENV
+    elif os.path.isfile(settings):
+        with open(settings) as f:
+            path, source = str(json.load(f).get("data_path") or ""), settings
+        if not path:
+            raise ValueError(f"{settings} names no data_path (e.g. {{\"data_path\": \"/data/site.txt\"}})")
+        path = os.path.join(workspace, path)  # an absolute path stays as it is
+    else:
+        return "", "config"
+    if not os.path.isfile(path):
+        raise ValueError(f"the site's data path {path!r} (from {source}) is not a file")
+    return path, source
 
 
 def _args(argv):
@@ -68,7 +105,10 @@ def _train_round(args, site, spec, received, state):
     if args.crash_in_round and spec["round"] == args.crash_in_round:
         raise RuntimeError(f"injected crash in round {spec['round']}")
     if state["trainer"] is None:
-        overrides = {"dataset_type": "text", "dataset_path": args.data_path} if args.data_path else {}
+        data_path, source = site_data_path(args.data_path)
+        shown = data_path or "the run config's own data"
+        print(f"{site}: training on {shown} (from {source})", flush=True)
+        overrides = {"dataset_type": "text", "dataset_path": data_path} if data_path else {}
         cfg = make_config(spec["config"], overrides)
         devices = jax.devices()
         if args.devices:

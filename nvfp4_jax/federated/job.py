@@ -121,9 +121,20 @@ def simulate(spec: FederatedSpec, workspace: str, log_config: str = "concise") -
     build_job(spec).simulator_run(workspace, threads=len(spec.sites), log_config=log_config)
 
 
+def portable(spec: FederatedSpec) -> FederatedSpec:
+    """The job as real sites run it: no path of the exporting machine. Each site reads its data
+    path from its own site-local setting (`client.site_data_path`), and the server writes to
+    `output_dir` relative to its run directory (`server.server_output_dir`): the run's name."""
+    run_config = {k: v for k, v in spec.run_config.items() if k != "base_output_directory"}
+    return dataclasses.replace(
+        spec, run_config=run_config, sites=tuple(dataclasses.replace(s, data_path="") for s in spec.sites),
+        output_dir=os.path.basename(os.path.normpath(spec.output_dir)) if spec.output_dir else "")
+
+
 def export(spec: FederatedSpec, directory: str) -> str:
-    """Writes the job folder for real sites. Its client configs name the site script by its name
-    in the app's `custom` folder (where FLARE copies it), not by this machine's path."""
+    """Writes the job folder for real sites (`portable`). Its client configs name the site script
+    by its name in the app's `custom` folder (where FLARE copies it), not by this machine's path."""
+    spec = portable(spec)
     build_job(spec).export_job(directory)
     folder = os.path.join(directory, spec.name)
     for config in glob.glob(os.path.join(folder, "app_*", "config", "config_fed_client.json")):

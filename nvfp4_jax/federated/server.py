@@ -44,6 +44,15 @@ from nvfp4_jax.federated.disk_aggregation import DiskWeightedAggregator
 META_KEY = "nvfp4_jax"
 
 
+def server_output_dir(output_dir: str, run_dir: str) -> str:
+    """Where the server writes: an absolute `output_dir` (the simulator, POC mode) as it is; a
+    relative one (an exported job) inside the server's run directory for the job, whose contents
+    come back with the job (`nvflare job download`); empty: nowhere."""
+    if not output_dir or os.path.isabs(output_dir):
+        return output_dir
+    return os.path.join(run_dir, output_dir)
+
+
 def _site_name(result: FLModel) -> str:
     meta = result.meta or {}
     return str(meta.get("client_name") or meta.get(FLMetaKey.CLIENT_NAME, "?"))
@@ -124,6 +133,10 @@ class BudgetedFedAvg(FedAvg):
         os.replace(tmp, path)  # a crash mid-save leaves the previous round's model intact
 
     def run(self) -> None:
+        if self.output_dir and not os.path.isabs(self.output_dir):
+            self.output_dir = server_output_dir(self.output_dir, self.get_run_dir())
+            if self.aggregator is not None:
+                self.aggregator.root = os.path.join(self.output_dir, ".aggregation")
         try:
             super().run()
         finally:

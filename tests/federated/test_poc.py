@@ -69,3 +69,80 @@ def test_an_exported_job_names_no_path_of_this_machine_for_code(tmp_path):
         config = json.load(open(os.path.join(where, f"app_{site.name}", "config", "config_fed_client.json")))
         (executor,) = config["executors"]
         assert executor["executor"]["args"]["task_script_path"] == "client.py"  # found in the app's custom/
+
+
+def _site_processes(site: str, under: str) -> list[int]:
+    """The pids of FLARE's processes for `site` (its client and its job process) whose command
+    line names a path under `under` (this test's POC workspace, never another run's)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        line = " ".join(argv)
+        if "nvflare.private.fed.app.client" in line and under in line and site in line:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_site_killed_mid_job_leaves_the_job_to_the_others(tmp_path):
+    """kill -9 of a whole site (its FLARE client and its job process) after round 1: with
+    --min-responses 2 the rounds complete from the two that are left, federated.json records the
+    dead site as failed in every round after the kill, and the command succeeds (FLARE's own
+    status for the job may be FINISHED:ABNORMAL: poc.run accepts it once every round is recorded)."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("finds the site's processes in /proc")
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_simulator import ROOT, SMALL
+
+    out = tmp_path / "federated"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nvfp4_jax.federated", "--sites", "3", "--rounds", "3", "--budget", "equal",
+         "--min-responses", "2", "--round-timeout", "120", "--env", "poc", *SMALL, f"base_output_directory={tmp_path}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": ROOT})
+    killed, deadline = [], time.monotonic() + 600
+    try:
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            rounds = [] if not (out / "federated.json").exists() else json.load(open(out / "federated.json"))["rounds"]
+            if len(rounds) >= 2:  # round 1 is recorded: kill site-3 as it trains round 2
+                killed = _site_processes("site-3", str(out / "flare_workspace"))
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(killed) == 2, output[-3000:]  # the site's client and its job process
+    assert proc.returncode == 0, output[-3000:]
+    rounds = json.load(open(out / "federated.json"))["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    for record in rounds[1:]:
+        assert sum(not s.get("failed") for s in record["sites"].values()) == 2  # --min-responses 2
+    for record in rounds[2:]:
+        assert record["sites"]["site-3"] == {"failed": True}
+    assert rounds[-1]["validation_loss"] < rounds[0]["validation_loss"]
+    assert "no update from site-3" in output
+
+
+def test_all_rounds_are_recorded_only_when_the_last_round_is_and_the_job_did_not_end(tmp_path):
+    from nvfp4_jax.federated.poc import recorded_all_rounds
+
+    assert not recorded_all_rounds(str(tmp_path), 2)  # no federated.json
+    record = {"ended_in_round": None, "rounds": [{"round": 0}, {"round": 1}]}
+    (tmp_path / "federated.json").write_text(json.dumps(record))
+    assert not recorded_all_rounds(str(tmp_path), 2)
+    record["rounds"].append({"round": 2})
+    (tmp_path / "federated.json").write_text(json.dumps(record))
+    assert recorded_all_rounds(str(tmp_path), 2)
+    record["ended_in_round"] = 1  # every site failed in round 1: the later rounds sent nothing
+    (tmp_path / "federated.json").write_text(json.dumps(record))
+    assert not recorded_all_rounds(str(tmp_path), 2)

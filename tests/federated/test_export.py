@@ -1,0 +1,82 @@
+"""An exported job is portable: it names no path of the exporting machine, each site reads its
+data from its own site-local setting, and the server writes inside its own run directory."""
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("nvflare")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _export(tmp_path):
+    from nvfp4_jax.federated import job as job_lib
+    from nvfp4_jax.federated.__main__ import build_spec
+
+    data = []
+    for i in (1, 2):
+        path = tmp_path / "data" / f"site-{i}-text.txt"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("to be or not to be " * 50)
+        data += ["--site-data", str(path)]
+    spec, _, _ = build_spec(["--sites", "2", *data, "--disk-offload", f"base_output_directory={tmp_path / 'out'}"])
+    assert spec.output_dir.startswith(str(tmp_path))  # the simulator and POC keep their absolute one
+    return spec, job_lib.export(spec, str(tmp_path / "jobs"))
+
+
+def test_an_exported_job_names_no_absolute_path_of_the_exporting_machine(tmp_path):
+    spec, where = _export(tmp_path)
+    machine_paths = {str(tmp_path), ROOT, sys.prefix, sys.executable, os.path.expanduser("~"),
+                     spec.output_dir, *(s.data_path for s in spec.sites)}
+    machine_paths = {p for p in machine_paths if p and p != os.sep}
+    files = [os.path.join(d, f) for d, _, names in os.walk(where) for f in names]
+    assert any(f.endswith("config_fed_server.json") for f in files)
+    for path in files:
+        with open(path, errors="replace") as f:
+            text = f.read()
+        for machine_path in machine_paths:
+            assert machine_path not in text, f"{os.path.relpath(path, where)} names {machine_path}"
+    server = json.load(open(os.path.join(where, "app_server", "config", "config_fed_server.json")))
+    (workflow,) = [w for w in server["workflows"] if w["path"].endswith("BudgetedFedAvg")]
+    assert workflow["args"]["output_dir"] == "federated"  # the run's name, inside the server's run dir
+    for site in spec.sites:
+        client = json.load(open(os.path.join(where, f"app_{site.name}", "config", "config_fed_client.json")))
+        (executor,) = client["executors"]
+        assert "--data-path" not in executor["executor"]["args"]["task_script_args"]
+
+
+def test_the_server_writes_a_relative_output_dir_inside_its_run_directory(tmp_path):
+    from nvfp4_jax.federated.server import server_output_dir
+
+    run_dir = str(tmp_path / "workspace" / "job-1")
+    assert server_output_dir("federated", run_dir) == os.path.join(run_dir, "federated")
+    assert server_output_dir(str(tmp_path / "abs"), run_dir) == str(tmp_path / "abs")  # simulator, POC
+    assert server_output_dir("", run_dir) == ""
+
+
+def test_a_site_reads_its_data_from_its_site_local_setting(tmp_path):
+    from nvfp4_jax.federated.client import SITE_DATA_ENV, SITE_SETTINGS, site_data_path
+
+    workspace = tmp_path / "site-1"
+    (workspace / "local").mkdir(parents=True)
+    by_env, by_file, by_job = (tmp_path / n for n in ("env.txt", "file.txt", "job.txt"))
+    for path in (by_env, by_file, by_job):
+        path.write_text("text")
+    # Nothing set: the run config's own data.
+    assert site_data_path("", {}, str(workspace)) == ("", "config")
+    # The workspace's local/nvfp4_jax_site.json; a relative path is the workspace's.
+    (workspace / SITE_SETTINGS).write_text(json.dumps({"data_path": "../file.txt"}))
+    path, source = site_data_path("", {}, str(workspace))
+    assert os.path.samefile(path, by_file) and source.endswith(SITE_SETTINGS)
+    # The environment variable before the file; the job's own --data-path before both.
+    assert site_data_path("", {SITE_DATA_ENV: str(by_env)}, str(workspace)) == (str(by_env), SITE_DATA_ENV)
+    assert site_data_path(str(by_job), {SITE_DATA_ENV: str(by_env)}, str(workspace)) == (str(by_job), "--data-path")
+    # A setting that names no file is an error naming where it came from.
+    with pytest.raises(ValueError, match=SITE_DATA_ENV):
+        site_data_path("", {SITE_DATA_ENV: str(tmp_path / "missing.txt")}, str(workspace))
+    (workspace / SITE_SETTINGS).write_text(json.dumps({"data_path": "missing.txt"}))
+    with pytest.raises(ValueError, match="nvfp4_jax_site.json"):
+        site_data_path("", {}, str(workspace))
