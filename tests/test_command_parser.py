@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from nvfp4_jax import cli, plan, sample
+from nvfp4_jax import cli, device_check, plan, sample
 from nvfp4_jax.cli import CommandParser, Exit
 from nvfp4_jax.config import ConfigError
 from nvfp4_jax.data import DataError
 from nvfp4_jax.data import __main__ as data_main
 from nvfp4_jax.federated import __main__ as federated_main
+from nvfp4_jax.federated import client as federated_client
 from nvfp4_jax.lab import __main__ as lab_main
 
 
@@ -54,7 +55,7 @@ def test_parse_command_prints_the_doc_for_help_and_parses_the_rest(capsys):
 
 @pytest.mark.parametrize("make_parser, error", [
     (sample._parser, ConfigError), (data_main._parser, DataError), (federated_main._parser, ConfigError),
-    (lab_main._parser, ConfigError),
+    (lab_main._parser, ConfigError), (federated_client._parser, ValueError), (device_check._parser, ValueError),
 ])
 def test_every_command_parser_is_built_on_the_base(make_parser, error):
     parser = make_parser()
@@ -79,3 +80,14 @@ def test_convert_takes_debug_too(tmp_path, capsys):
     assert convert_main(["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--debug"]) == Exit.BAD_INPUT
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_the_site_script_reads_its_arguments_on_the_base(capsys):
+    """FLARE runs the site script with the job's arguments: a wrong one is one line (raised, so
+    FLARE ends the job), -h prints the script's doc, the rest parse as the job wrote them."""
+    with pytest.raises(ValueError, match=r"^argument --slowdown: invalid float value: 'fast'$"):
+        federated_client.main(["--slowdown", "fast"])
+    assert federated_client.main(["--help"]) == Exit.OK
+    assert "site-local setting" in capsys.readouterr().out
+    args = federated_client._parser().parse_args(["--devices", "2", "--slowdown", "1.5"])
+    assert (args.devices, args.slowdown, args.data_path) == (2, 1.5, "")

@@ -17,10 +17,11 @@ relative to the workspace); with neither, the run config's own data (the bundled
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+
+from nvfp4_jax.cli import CommandParser, Exit, parse_command
 
 SITE_DATA_ENV = "NVFP4_JAX_SITE_DATA"
 SITE_SETTINGS = os.path.join("local", "nvfp4_jax_site.json")  # in the site's FLARE workspace
@@ -52,25 +53,29 @@ def site_data_path(given: str, environ=None, workspace: str = "") -> tuple[str, 
     return path, source
 
 
-def _args(argv):
-    p = argparse.ArgumentParser(prog="nvfp4_jax.federated.client")
+def _parser() -> CommandParser:
+    p = CommandParser("federated.client", hint=False)
     p.add_argument("--data-path", default="")
     p.add_argument("--devices", type=int, default=0)
     p.add_argument("--device-offset", type=int, default=0)
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--watts", type=float, default=None)
     p.add_argument("--crash-in-round", type=int, default=0)
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> Exit:
+    """The site's rounds until FLARE stops it. A bad argument raises ValueError (one line): FLARE
+    runs this script in its own process or thread, where raising, not exiting, ends the job."""
+    args = parse_command(_parser(), sys.argv[1:] if argv is None else argv, __doc__, help_when_empty=False)
+    if args is None:
+        return Exit.OK
     # optional dependency (NVFLARE); server imports it too
     import nvflare.client as flare
     from nvflare.app_common.abstract.fl_model import ParamsType
 
     from nvfp4_jax.federated.server import META_KEY
 
-    args = _args(sys.argv[1:] if argv is None else argv)
     flare.init()
     site = flare.get_site_name()
     state = {"trainer": None, "residual": None}
@@ -91,6 +96,7 @@ def main(argv=None) -> None:
             params_type=ParamsType.DIFF if contract.sends_difference else ParamsType.FULL,
             meta={"NUM_STEPS_CURRENT_ROUND": report["samples"], META_KEY: report},
         ))
+    return Exit.OK
 
 
 def _train_round(args, site, spec, received, state):
