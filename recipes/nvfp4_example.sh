@@ -25,9 +25,9 @@ fi
 te_args=()
 if te_reason="$("$PY" - <<'PYEOF'
 import sys
-from nvfp4_jax.quant import TEUnavailableError, resolve_backend
+from nvfp4_jax.quant import TEUnavailableError, get_recipe, resolve_backend
 try:
-    resolve_backend("te", "te_nvfp4")
+    resolve_backend("te", get_recipe("te_nvfp4"))
 except (TEUnavailableError, ValueError) as err:
     print(err)
     sys.exit(1)

@@ -39,9 +39,12 @@ def test_block_sizes_and_fp8_defaults():
     assert not get_recipe("te_fp8_currentscaling").fp8_delayed
 
 
-def test_recipe_passes_through_and_is_frozen():
+def test_a_flag_is_one_frozen_recipe_and_a_recipe_is_not_a_flag():
     r = get_recipe("te_nvfp4")
-    assert get_recipe(r) is r
+    assert get_recipe("te_nvfp4") is r
+    # Below the config everything takes the Recipe: get_recipe resolves flags only, once.
+    with pytest.raises(ValueError, match="unknown quantization recipe"):
+        get_recipe(r)  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.rht_wgrad = False  # type: ignore[misc]
     assert hash(r) == hash(get_recipe("te_nvfp4"))

@@ -8,6 +8,7 @@ import pytest
 
 from nvfp4_jax.bitwise import bit_diff
 from nvfp4_jax.config import ConfigError, MeshConfig, load_config
+from nvfp4_jax.quant.recipe import ATTENTION_FP8_FLAG
 from nvfp4_jax.train import assembly, build, checkpoint
 from nvfp4_jax.train.loop import run
 
@@ -29,7 +30,7 @@ def test_startup_holds_every_decision_with_the_lines_the_builders_used_to_print(
     assert s.record() == {
         "mlp_recipe": "te_nvfp4", "quantization_backend": "emulated", "operand_kernels": s.backend.operands,
         "kernel_dtype": "bfloat16", "attention_kernel": "dot_product",
-        "attention_projections": build.ATTENTION_FP8_RECIPE, "bf16_from_step": 5,
+        "attention_projections": ATTENTION_FP8_FLAG, "bf16_from_step": 5,
         "mesh": {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, "global_batch_size": 2,
         "trained_params": "all",
     }

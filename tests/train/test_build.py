@@ -39,7 +39,7 @@ def _quantized_dot_calls(model, params):
             assert path.endswith("/QuantDotGeneral_0"), path
             projection = path[: -len("/QuantDotGeneral_0")]
             assert projection not in calls, f"{projection} quantized twice"
-            calls[projection] = recipe_name(get_recipe(context.module.recipe))
+            calls[projection] = recipe_name(context.module.recipe)
         return next_fun(*args, **kwargs)
 
     variables = model.init({"params": jax.random.PRNGKey(0), "quant": jax.random.PRNGKey(2)}, TOKENS)
