@@ -125,9 +125,11 @@ def test_a_site_killed_mid_job_leaves_the_job_to_the_others(tmp_path):
     assert proc.returncode == 0, output[-3000:]
     rounds = json.load(open(out / "federated.json"))["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
-    for record in rounds[1:]:
-        assert sum(not s.get("failed") for s in record["sites"].values()) == 2  # --min-responses 2
+    # Round 1 (all three alive) closes once --min-responses 2 have answered: a third answer may or
+    # may not make it in time. After the kill exactly the two that are left answer.
+    assert sum(not s.get("failed") for s in rounds[1]["sites"].values()) >= 2
     for record in rounds[2:]:
+        assert sum(not s.get("failed") for s in record["sites"].values()) == 2
         assert record["sites"]["site-3"] == {"failed": True}
     assert rounds[-1]["validation_loss"] < rounds[0]["validation_loss"]
     assert "no update from site-3" in output
