@@ -12,6 +12,7 @@ from nvfp4_jax.data import DataError
 from nvfp4_jax.data import __main__ as data_main
 from nvfp4_jax.federated import __main__ as federated_main
 from nvfp4_jax.federated import client as federated_client
+from nvfp4_jax.federated import ddp as federated_ddp
 from nvfp4_jax.lab import __main__ as lab_main
 
 
@@ -56,6 +57,7 @@ def test_parse_command_prints_the_doc_for_help_and_parses_the_rest(capsys):
 @pytest.mark.parametrize("make_parser, error", [
     (sample._parser, ConfigError), (data_main._parser, DataError), (federated_main._parser, ConfigError),
     (lab_main._parser, ConfigError), (federated_client._parser, ValueError), (device_check._parser, ValueError),
+    (federated_ddp._parser, ConfigError),
 ])
 def test_every_command_parser_is_built_on_the_base(make_parser, error):
     parser = make_parser()

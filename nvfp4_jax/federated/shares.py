@@ -16,6 +16,7 @@ adds the sums over processes); see docs/scaling.md for what is not done.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -94,18 +95,45 @@ def gather_combine(part):
     return unravel(jnp.asarray(total[:-2] / total[-1])), float(total[-2] / total[-1])
 
 
+@dataclasses.dataclass
+class Progress:
+    """Where a shares run stands after a period, on every process alike: the state after `step`
+    steps, the split the next period trains with, the workers' smoothed costs, and one decision
+    record per period so far (`period_record`). A resume continues from it exactly."""
+
+    step: int
+    state: object
+    split: list[int]
+    costs: list[SiteCost]
+    periods: list[dict]
+
+
+def period_record(step: int, trained_with: Sequence[int], split: Sequence[int], busy_s: Sequence[float],
+                  wall_s: Sequence[float], costs: Sequence[SiteCost]) -> dict:
+    """One period's decision, as logged: the split it trained with, what the controller decided for
+    the next (`microbatches`), each worker's busy and wall seconds (its idle time at the step
+    barriers is the difference) and smoothed per-sample seconds."""
+    return {"step": step, "trained_with": list(trained_with), "microbatches": list(split),
+            "busy_s": [float(b) for b in busy_s], "wall_s": [float(w) for w in wall_s],
+            "idle_s": [max(0.0, float(w) - float(b)) for b, w in zip(busy_s, wall_s)],
+            "seconds_per_sample": [c.seconds_per_sample for c in costs]}
+
+
 def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, period: int,
-                 slowdown: float = 1.0, policy: BudgetPolicy | None = None, log=print):
+                 slowdown: float = 1.0, slowdown_from: int = 0, policy: BudgetPolicy | None = None,
+                 resume: Progress | None = None, on_period=None, log=print):
     """This process's part of a data-parallel run with per-process shares: each step it trains
     its share of `run`'s global batch, the shares combined token-weighted over the processes,
     one update applied on every process; every `period` steps the measured per-sample times
-    (stretched by `slowdown`, sleeping as the federated sites do) are gathered and the shares
-    re-split identically on every process. Returns (state, per-step losses, shares per period)."""
+    (stretched by `slowdown` from step `slowdown_from` on, sleeping as the federated sites do) are
+    gathered and the shares re-split identically on every process, one line logged and
+    `on_period(progress, losses)` called. `resume`: a `Progress` to continue from (its state,
+    split and costs). Returns (state, this call's per-step losses, shares per period)."""
     me, n = jax.process_index(), jax.process_count()
-    split = list(initial)
+    split = list(resume.split if resume else initial)
     policy = policy or BudgetPolicy(total_samples=sum(split), quantum=1)
     data = run.dataset("train")
-    state = run.init_state()
+    state = resume.state if resume else run.init_state()
 
     grad_fn = share_grad_fn(run.model)
 
@@ -122,8 +150,12 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
     jax.block_until_ready(grad_fn(state.params, state.replace(rng=state.sr_key()), warm_up))
     multihost_utils.sync_global_devices("nvfp4_jax: shares compiled")
 
-    costs, busy, losses, history = [SiteCost()] * n, 0.0, [], [list(split)]
-    for step in range(steps):
+    first_step = resume.step if resume else 0
+    costs = list(resume.costs) if resume else [SiteCost()] * n
+    periods = list(resume.periods) if resume else []
+    busy, done, losses, history = 0.0, 0, [], [list(split)]
+    period_start = time.perf_counter()
+    for step in range(first_step, steps):
         batch = data.batch(step)
         first = sum(split[:me])
         micro = [{k: v[(first + j) * microbatch:(first + j + 1) * microbatch] for k, v in batch.items()}
@@ -131,19 +163,26 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
         start = time.perf_counter()
         part = jax.block_until_ready(share_sums(run.model, state, micro, grad_fn=grad_fn))
         compute = time.perf_counter() - start
-        if slowdown > 1.0:
-            time.sleep(compute * (slowdown - 1.0))
-        busy += compute * slowdown
+        stretch = slowdown if step >= slowdown_from else 1.0
+        if stretch > 1.0:
+            time.sleep(compute * (stretch - 1.0))
+        busy += compute * stretch
+        done += 1
         grads, loss = gather_combine(part)
         state = update(state, grads)
         losses.append(loss)
-        if (step + 1) % period == 0:
-            seconds = multihost_utils.process_allgather(np.float64(busy))
-            costs = [smooth(c, float(s), k * microbatch * period, None, policy.ema)
-                     for c, s, k in zip(costs, seconds, split)]
-            split = split_shares(policy, costs, split, (step + 1) // period)
+        if (step + 1) % period == 0 or step + 1 == steps:
+            wall = time.perf_counter() - period_start
+            measured = multihost_utils.process_allgather(np.asarray([busy, wall], np.float64))
+            trained_with = list(split)
+            costs = [smooth(c, float(row[0]), k * microbatch * done, None, policy.ema)
+                     for c, row, k in zip(costs, measured, split)]
+            split = split_shares(policy, costs, split, -(-(step + 1) // period))
             history.append(list(split))
+            periods.append(period_record(step + 1, trained_with, split, measured[:, 0], measured[:, 1], costs))
+            if on_period is not None:
+                on_period(Progress(step + 1, state, list(split), list(costs), list(periods)), losses)
             log(f"shares: step={step + 1} microbatches={split} seconds_per_sample="
                 f"[{', '.join(f'{c.seconds_per_sample:.4g}' for c in costs)}]")
-            busy = 0.0
+            busy, done, period_start = 0.0, 0, time.perf_counter()
     return state, losses, history
