@@ -40,7 +40,10 @@ Options:
   --site-data PATH          one per site (repeat N times): each site's own text file
   --slowdown F1,F2,...      per-site compute slowdown factors (experiments), >= 1
   --watts W1,W2,...         per-site power for the stated energy model (joules = W x seconds)
-  --site-devices K          local devices per site (default 1; FSDP over them)
+  --site-devices K[,K2,...]  local devices per site (default 1; FSDP over them), one count for
+                            every site or one per site (silos of unequal size: each site's
+                            budget is a multiple of its own global batch, and the counts must be
+                            multiples of the smallest)
   --weighting W             data | samples (default data): FedAvg weights each site's update by
                             its training tokens (FedAvg's definition), or by the samples it
                             trained in the round (leans toward the sites given more)
@@ -63,7 +66,6 @@ job ended; one `error:` line names the last good global model), 1 an internal er
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -113,7 +115,7 @@ def _parser() -> CommandParser:
     p.add_argument("--site-data", action="append", default=[])
     p.add_argument("--slowdown", default="")
     p.add_argument("--watts", default="")
-    p.add_argument("--site-devices", type=int, default=1)
+    p.add_argument("--site-devices", default="1")
     p.add_argument("--min-responses", type=int, default=0)
     p.add_argument("--weighting", default="data")
     p.add_argument("--env", default="sim")
@@ -124,6 +126,21 @@ def _parser() -> CommandParser:
     p.add_argument("--workspace", default="")
     p.add_argument("--crash-site-in-round", default="", help=argparse.SUPPRESS)  # tests: "site-2:1"
     return p
+
+
+def _site_devices(text: str, n: int) -> list[int]:
+    """--site-devices: one count for every site, or one per site; each >= 1."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--site-devices={text!r} must be a whole number, or {n} comma-separated ones (one per site)") from None
+    if len(counts) == 1:
+        counts = counts * n
+    if len(counts) != n:
+        raise ConfigError(f"--site-devices={text!r} gives {len(counts)} counts for {n} sites")
+    if any(k < 1 for k in counts):
+        raise ConfigError(f"--site-devices={text!r}: every count must be at least 1")
+    return counts
 
 
 def _floats(text: str, n: int, name: str, default: float | None) -> list:
@@ -193,8 +210,6 @@ def build_spec(argv: list[str]):
         raise ConfigError(f"--sites={args.sites} must be at least 1")
     if args.rounds < 1:
         raise ConfigError(f"--rounds={args.rounds} must be at least 1")
-    if args.site_devices < 1:
-        raise ConfigError(f"--site-devices={args.site_devices} must be at least 1")
     if not 0 <= args.min_responses <= args.sites:
         raise ConfigError(f"--min-responses={args.min_responses} must be between 0 (all) and --sites={args.sites}")
     if args.round_timeout < 0:
@@ -205,12 +220,15 @@ def build_spec(argv: list[str]):
     merged = {k: v for layer in layers for k, v in layer.items()}
     cfg = make_config(*layers)  # validates every training key
     n = args.sites
-    global_batch = global_batch_size(cfg.train.per_device_batch_size, args.site_devices)
+    site_devices = _site_devices(args.site_devices, n)
+    quanta = [global_batch_size(cfg.train.per_device_batch_size, k) for k in site_devices]
+    global_batch = min(quanta)  # the nominal site's: the schedule counts its steps
     total = args.samples_per_round or 4 * global_batch * n
     if "steps" not in merged:  # the learning-rate schedule spans the sites' expected local steps
         merged["steps"] = max(1, args.rounds * total // (n * global_batch))
     policy = budget_lib.BudgetPolicy(
-        name=args.budget, total_samples=total, quantum=global_batch, w_time=args.w_time,
+        name=args.budget, total_samples=total, quantum=global_batch,
+        site_quanta=tuple(quanta) if len(set(quanta)) > 1 else (), w_time=args.w_time,
         w_energy=args.w_energy, ema=args.ema, deadband=args.deadband)
     contract = contract_lib.UpdateContract(kind=args.update, trainable=args.trainable,
                                            compression=args.compression)
@@ -258,7 +276,7 @@ def build_spec(argv: list[str]):
         data_paths = [""] * n
     sites = tuple(
         SiteSpec(name=f"site-{i}", data_path=data_paths[i - 1], slowdown=slowdowns[i - 1], watts=watts[i - 1],
-                 devices=args.site_devices, device_offset=(i - 1) * args.site_devices,
+                 devices=site_devices[i - 1], device_offset=sum(site_devices[:i - 1]),
                  crash_in_round=crash.get(f"site-{i}", 0))
         for i in range(1, n + 1))
     privacy_options, site_privacy = _privacy_policies(args, [s.name for s in sites], contract)

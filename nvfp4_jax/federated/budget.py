@@ -32,11 +32,19 @@ class BudgetPolicy:
     name: str = "adaptive"  # equal | static | adaptive
     total_samples: int = 0  # per round, over all sites
     quantum: int = 1  # every budget is a multiple of this (a site's global batch)
+    # Sites of unequal device counts (hierarchical silos): each site's own global batch, its
+    # budget a multiple of it; empty: every site's is `quantum`.
+    site_quanta: tuple[int, ...] = ()
     min_samples: int = 0  # floor per site (rounded up to the quantum); 0 means one quantum
     w_time: float = 1.0
     w_energy: float = 0.0
     ema: float = 0.5  # weight of the newest measurement
     deadband: float = 0.05  # keep the previous split unless some share moves by more than this
+
+
+def policy_from_dict(fields: Mapping) -> BudgetPolicy:
+    """The policy `dataclasses.asdict` wrote (through a job's JSON config: its tuple a list)."""
+    return BudgetPolicy(**{**fields, "site_quanta": tuple(fields.get("site_quanta", ()))})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +63,21 @@ def check_policy(p: BudgetPolicy, num_sites: int) -> None:
         raise ValueError(f"sites={num_sites} must be at least 1")
     if p.quantum < 1:
         raise ValueError(f"the budget quantum (a site's global batch) is {p.quantum}; it must be >= 1")
-    floor = _floor(p)
-    if p.total_samples < floor * num_sites:
+    if p.site_quanta:
+        if len(p.site_quanta) != num_sites:
+            raise ValueError(f"{len(p.site_quanta)} site global batches for {num_sites} sites")
+        smallest = min(p.site_quanta)
+        if smallest != p.quantum or any(q % smallest for q in p.site_quanta):
+            # Then whatever the weights, the largest-remainder split can fill the round exactly.
+            raise ValueError(f"the sites' global batches {', '.join(map(str, p.site_quanta))} (rows a device x "
+                             f"the site's devices) must all be multiples of the smallest ({smallest}), so that "
+                             f"every round splits exactly: give device counts that are multiples of the smallest")
+    floors = site_floors(p, num_sites)
+    if p.total_samples < sum(floors):
+        each = "" if p.site_quanta else f" of {floors[0]} samples (the global batch is {p.quantum})"
         raise ValueError(
-            f"samples_per_round={p.total_samples} cannot give each of {num_sites} sites its minimum of "
-            f"{floor} samples (the global batch is {p.quantum}); use at least {floor * num_sites}")
+            f"samples_per_round={p.total_samples} cannot give each of {num_sites} sites its minimum{each}; "
+            f"use at least {sum(floors)}")
     if p.total_samples % p.quantum:
         raise ValueError(f"samples_per_round={p.total_samples} must be a multiple of the global batch {p.quantum}")
     for name, w in (("w_time", p.w_time), ("w_energy", p.w_energy)):
@@ -73,8 +91,14 @@ def check_policy(p: BudgetPolicy, num_sites: int) -> None:
         raise ValueError(f"deadband={p.deadband} must be in [0, 1)")
 
 
-def _floor(p: BudgetPolicy) -> int:
-    return max(p.quantum, -(-p.min_samples // p.quantum) * p.quantum)
+def site_quanta(p: BudgetPolicy, num_sites: int) -> list[int]:
+    """Each site's budget quantum: its own global batch."""
+    return list(p.site_quanta) if p.site_quanta else [p.quantum] * num_sites
+
+
+def site_floors(p: BudgetPolicy, num_sites: int) -> list[int]:
+    """Each site's least budget: `min_samples` rounded up to its quantum, at least one quantum."""
+    return [max(q, -(-p.min_samples // q) * q) for q in site_quanta(p, num_sites)]
 
 
 def smooth(previous: SiteCost, seconds: float, samples: int, joules: float | None, ema: float) -> SiteCost:
@@ -119,21 +143,30 @@ def _median(values: Sequence[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def proportional_split(total: int, weights: Sequence[float], quantum: int, floor: int) -> list[int]:
-    """`total` split in proportion to `weights`, each share a multiple of `quantum` and >= `floor`,
-    the shares adding up to `total` exactly (largest remainder)."""
+def proportional_split(total: int, weights: Sequence[float], quantum: int | Sequence[int],
+                       floor: int | Sequence[int]) -> list[int]:
+    """`total` split in proportion to `weights`, site i's share a multiple of its quantum and at
+    least its floor (one number: every site's), the shares adding up to `total` exactly when the
+    quanta are multiples of the smallest and `total` is a multiple of it: largest remainder, one
+    quantum at a time to the site furthest below its ideal share that still fits, then what is
+    left (a multiple of the smallest quantum) to the sites of the smallest quantum."""
     n = len(weights)
-    units, floor_units = total // quantum, floor // quantum
-    spare = units - floor_units * n
+    quanta = [quantum] * n if isinstance(quantum, int) else list(quantum)
+    floors = [floor] * n if isinstance(floor, int) else list(floor)
+    spare = total - sum(floors)
     wsum = sum(weights)
     ideal = [spare * w / wsum for w in weights]
-    extra = [math.floor(x) for x in ideal]
+    extra = [math.floor(x / q) * q for x, q in zip(ideal, quanta)]
     left = spare - sum(extra)
-    # Largest remainders first; ties go to the lower index, so the split is deterministic.
-    order = sorted(range(n), key=lambda i: (-(ideal[i] - extra[i]), i))
-    for i in order[:left]:
-        extra[i] += 1
-    return [(floor_units + e) * quantum for e in extra]
+    while True:
+        # Largest remainder first; ties go to the lower index, so the split is deterministic.
+        fits = [i for i in range(n) if quanta[i] <= left]
+        if not fits:
+            break
+        i = min(fits, key=lambda i: (-(ideal[i] - extra[i]), i))
+        extra[i] += quanta[i]
+        left -= quanta[i]
+    return [f + e for f, e in zip(floors, extra)]
 
 
 def allocate(p: BudgetPolicy, costs: Sequence[SiteCost], previous: Sequence[int] | None,
@@ -145,15 +178,15 @@ def allocate(p: BudgetPolicy, costs: Sequence[SiteCost], previous: Sequence[int]
     measured, then re-split every round from the smoothed costs, unless within the deadband.
     """
     n = len(costs)
-    floor = _floor(p)
-    equal = proportional_split(p.total_samples, [1.0] * n, p.quantum, floor)
+    quanta, floors = site_quanta(p, n), site_floors(p, n)
+    equal = proportional_split(p.total_samples, [1.0] * n, quanta, floors)
     measured = all(c.seconds_per_sample is not None or c.joules_per_sample is not None for c in costs)
     if p.name == "equal" or not measured:
         return equal
     if p.name == "static" and round_index > 1 and previous is not None:
         return list(previous)
     inverse = [1.0 / c for c in combined_costs(costs, p.w_time, p.w_energy)]
-    proposal = proportional_split(p.total_samples, inverse, p.quantum, floor)
+    proposal = proportional_split(p.total_samples, inverse, quanta, floors)
     if p.name == "adaptive" and previous is not None and len(previous) == n:
         moved = max(abs(a - b) / max(b, 1) for a, b in zip(proposal, previous))
         if moved <= p.deadband:

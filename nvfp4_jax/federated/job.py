@@ -94,6 +94,7 @@ def build_job(spec: FederatedSpec):
         site_privacy={s.name: spec.privacy_of(s.name) for s in spec.sites},
         dp_delta=spec.dp_delta,
         weighting=spec.weighting,
+        eval_devices=max(s.devices for s in spec.sites),
     ))
     if spec.stream_tensors:
         # optional dependency (NVFLARE)

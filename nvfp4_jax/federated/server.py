@@ -75,6 +75,7 @@ class BudgetedFedAvg(FedAvg):
         site_privacy: dict | None = None,
         dp_delta: float = 1e-5,
         weighting: str = "data",
+        eval_devices: int = 0,
     ):
         aggregator = None
         if enable_tensor_disk_offload:
@@ -89,13 +90,14 @@ class BudgetedFedAvg(FedAvg):
         self.min_responses = min_responses
         self.round_timeout = round_timeout
         self.eval_batches = eval_batches
+        self.eval_devices = eval_devices
         self.site_privacy = dict(site_privacy or {})  # site -> {"filter": name, **options}
         self.dp_delta = dp_delta
         if weighting not in contract_lib.WEIGHTINGS:
             raise ValueError(f"weighting={weighting!r} is not one of {', '.join(contract_lib.WEIGHTINGS)}")
         self.weighting = weighting
         self.ended_in_round: int | None = None  # the round in which every site failed
-        self._policy = budget_lib.BudgetPolicy(**self.budget_policy)
+        self._policy = budget_lib.policy_from_dict(self.budget_policy)
         self._contract = contract_lib.UpdateContract(**self.update_contract)
         self._costs = {s: budget_lib.SiteCost() for s in self.site_names}
         self._budgets: list[int] | None = None
@@ -115,7 +117,12 @@ class BudgetedFedAvg(FedAvg):
             from nvfp4_jax.config import make_config
             from nvfp4_jax.federated.site import Evaluator
 
-            self._evaluator = Evaluator(make_config(self.run_config), num_batches=self.eval_batches)
+            import jax
+
+            # As many devices as the largest site trains on (the model divides over that many),
+            # or all of them (0).
+            devices = jax.devices()[:self.eval_devices] if self.eval_devices else None
+            self._evaluator = Evaluator(make_config(self.run_config), devices=devices, num_batches=self.eval_batches)
         return self._evaluator
 
     def load_model(self) -> FLModel:

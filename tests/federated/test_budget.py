@@ -90,3 +90,34 @@ def test_bad_policies_are_one_line_errors(change, message):
     p = BudgetPolicy(**{**dict(name="adaptive", total_samples=32, quantum=4), **change})
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
         check_policy(p, 2)
+
+
+def test_silos_of_unequal_device_counts_get_budgets_in_their_own_global_batches():
+    # Sites of 1, 2 and 4 devices, 2 rows a device: global batches 2, 4, 8.
+    quanta = (2, 4, 8)
+    p = BudgetPolicy(name="adaptive", total_samples=48, quantum=2, site_quanta=quanta)
+    check_policy(p, 3)
+    # Nothing measured: an equal split, each a multiple of its own batch: floors 2, 4, 8 and 34
+    # spare, ideal 11.33 each -> 10, 8, 8; the 8 left go one quantum at a time to the largest
+    # deficit that fits: site 2 (+4, deficit 3.33), then site 1 (+2, 1.33), then site 1 again (+2).
+    assert allocate(p, _costs(None, None, None), None, 0) == [16, 16, 16]
+    # A silo with 4 devices trains a sample in a quarter of the time: it gets about 4x the samples
+    # of the 1-device silo (hand split: floors 2, 4, 8; tau 1, 0.5, 0.25 s/sample give weights
+    # 1:2:4, so the spare 34 is 4.86, 9.71, 19.43 -> 4, 8, 16; of the 6 left site 3's 8 does not
+    # fit, site 2 (deficit 1.71) takes 4, then site 1 (0.86) takes 2).
+    budgets = allocate(p, _costs(1.0, 0.5, 0.25), [16, 16, 16], 1)
+    assert budgets == [8, 16, 24] and sum(budgets) == 48
+    assert all(b % q == 0 and b >= q for b, q in zip(budgets, quanta))
+    # A split always fills the round exactly, whatever the weights.
+    for taus in ((1.0, 1.0, 1.0), (9.0, 1.0, 1.0), (1.0, 9.0, 0.1), (0.3, 0.7, 5.0)):
+        budgets = allocate(p, _costs(*taus), None, 1)
+        assert sum(budgets) == 48 and all(b % q == 0 and b >= q for b, q in zip(budgets, quanta)), (taus, budgets)
+
+
+@pytest.mark.parametrize("quanta, message", [
+    ((4, 6), "global batches 4, 6 (rows a device x the site's devices) must all be multiples of the smallest (4)"),
+    ((2, 4, 8), "3 site global batches for 2 sites"),
+])
+def test_silo_batches_that_cannot_fill_a_round_exactly_are_refused(quanta, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_policy(BudgetPolicy(total_samples=48, quantum=min(quanta), site_quanta=quanta), 2)

@@ -30,7 +30,24 @@ def test_spec_from_the_command_line(tmp_path):
     assert build_spec(["--weighting", "samples", f"base_output_directory={tmp_path}"])[0].weighting == "samples"
 
 
+def test_silos_of_unequal_device_counts_from_the_command_line(tmp_path):
+    spec, _, _ = build_spec(["--sites", "3", "--site-devices", "1,2,4", "per_device_batch_size=2",
+                             f"base_output_directory={tmp_path}"])
+    assert [s.devices for s in spec.sites] == [1, 2, 4]
+    assert [s.device_offset for s in spec.sites] == [0, 1, 3]  # devices 0 | 1-2 | 3-6
+    # Each site's budget is a multiple of its own global batch; the round total defaults to four
+    # steps of the smallest site's batch per site.
+    assert spec.policy.site_quanta == (2, 4, 8) and spec.policy.quantum == 2 and spec.policy.total_samples == 24
+    same, _, _ = build_spec(["--sites", "2", "--site-devices", "2", "per_device_batch_size=2",
+                             f"base_output_directory={tmp_path}"])
+    assert [s.devices for s in same.sites] == [2, 2] and same.policy.site_quanta == () and same.policy.quantum == 4
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--sites", "2", "--site-devices", "1,2,4"], "--site-devices='1,2,4' gives 3 counts for 2 sites"),
+    (["--sites", "2", "--site-devices", "0"], "every count must be at least 1"),
+    (["--sites", "2", "--site-devices", "two"], "must be a whole number, or 2 comma-separated ones"),
+    (["--sites", "2", "--site-devices", "2,3"], "global batches 8, 12 (rows a device x the site's devices) must all be multiples of the smallest (8)"),
     (["--sites", "0"], "--sites=0"),
     (["--rounds", "0"], "--rounds=0"),
     (["--budget", "fast"], "budget='fast'"),

@@ -17,10 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = ["base_num_decoder_layers=1", "max_target_length=32", "per_device_batch_size=1", "eval_steps=1"]
 
 
-def _run(tmp_path, *args):
+def _run(tmp_path, *args, env=None):
     proc = subprocess.run(
         [sys.executable, "-m", "nvfp4_jax.federated", *args, *SMALL, f"base_output_directory={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "federated" / "federated.json") as f:
         return proc.stdout, json.load(f)
@@ -52,6 +52,21 @@ def test_three_sites_two_rounds_adaptive(tmp_path):
     assert len(set(rounds[1]["budgets"].values())) == 1
     assert rounds[2]["budgets"]["site-3"] < rounds[2]["budgets"]["site-1"]
     assert rounds[2]["validation_loss"] < rounds[0]["validation_loss"]
+
+
+def test_silos_of_one_and_two_devices_train_budgets_in_their_own_global_batches(tmp_path):
+    # Site-1: 1 device, 2x slower; site-2: 2 devices (FSDP), its global batch 2 rows.
+    _, result = _run(tmp_path, "--sites", "2", "--site-devices", "1,2", "--rounds", "2", "--budget", "adaptive",
+                     "--samples-per-round", "12", "--slowdown", "2,1",
+                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+    rounds = result["rounds"][1:]
+    for r in rounds:
+        one, two = r["sites"]["site-1"], r["sites"]["site-2"]
+        assert sum(r["budgets"].values()) == 12 and r["budgets"]["site-2"] % 2 == 0
+        assert one["steps"] == r["budgets"]["site-1"] and two["steps"] * 2 == r["budgets"]["site-2"]
+    assert rounds[0]["budgets"] == {"site-1": 6, "site-2": 6}
+    # Per sample, the 2-device silo is the faster (and site-1 is slowed 2x): it gets more.
+    assert rounds[1]["budgets"]["site-2"] > rounds[1]["budgets"]["site-1"]
 
 
 def test_a_site_that_crashes_mid_round_does_not_corrupt_the_global_model(tmp_path):
