@@ -112,6 +112,7 @@ def _write_atomically(path: str, data: bytes) -> None:
 def save_progress(run_dir: str, progress, losses: list[float], header: dict) -> None:
     """The state after `progress.step` steps (its own file, named by the step), then the log that
     points at it: a kill between the two leaves the previous pair whole."""
+    # flax (with jax) only in the workers: the launcher checks its arguments without jax
     from flax import serialization
 
     state_file = f"ddp_state_{progress.step}.msgpack"
@@ -135,6 +136,7 @@ def read_log(run_dir: str) -> dict | None:
 
 def load_progress(run_dir: str, template_state):
     """(Progress, losses so far) from the run directory's log and state."""
+    # flax and shares (with jax) only in the workers: the launcher checks its arguments without jax
     from flax import serialization
 
     from nvfp4_jax.federated.budget import SiteCost
@@ -150,6 +152,7 @@ def load_progress(run_dir: str, template_state):
 # --- the worker: one process of the run ---------------------------------------------------------
 
 def worker(args) -> Exit:
+    # jax only in the workers: the launcher checks its arguments without jax
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
