@@ -1,7 +1,13 @@
 """`python -m nvfp4_jax.sample RUN_DIR --prompt "..." [options]`: text from a run's newest checkpoint.
 
-  --prompt TEXT          the text to continue (document runs start it with BOS when add_bos)
-  --max-new-tokens N     tokens to generate (default 200); stops early at EOS
+  --prompt TEXT          the text to continue (document runs start it with BOS when add_bos);
+                         a VLM run's question about its image
+  --image PATH           model_type=vlm: the image to ask about, a .npy array ([S, S] or [S, S, C];
+                         integers divided by 255, floats kept) or a PNG, of the run's image_size
+                         and image_channels
+  --image-index N        model_type=vlm: instead, the N-th held-out image of the run's dataset;
+                         the line on stderr names it and its reference answer to the prompt
+  --max-new-tokens N     tokens to generate (default 200); stops early at EOS, a VLM's at "\\n"
   --temperature T        0 (default): greedy; a finite T >= 1e-06 samples from softmax(logits / T)
   --top-k K              sample among the K likeliest tokens only (0: all)
   --seed S               the sampling seed, an integer >= 0 (default 0)
@@ -10,10 +16,16 @@
 
 The run's `config.json` gives the model and the tokenizer (a `grain`/`hf` run's tokenizer keys;
 bytes for the byte corpora). The forward pass is BF16 with plain dots (the parameters are the
-same whatever the training recipe), over the last `max_target_length` tokens. A prompt must be
-valid UTF-8 text (an argument with undecodable bytes is refused). When the newest checkpoint is
-damaged, the next newest intact one is used, after one `warning: ...` line naming both. Exit
-codes: 0 done, 2 a user error, 4 no intact checkpoint (each one `error: ...` line).
+same whatever the training recipe), over the last `max_target_length` tokens (a VLM's: the
+text tokens its rows hold after the image's). A prompt must be valid UTF-8 text (an argument
+with undecodable bytes is refused). When the newest checkpoint is damaged, the next newest
+intact one is used, after one `warning: ...` line naming both. Exit codes: 0 done, 2 a user
+error, 4 no intact checkpoint (each one `error: ...` line).
+
+A VLM run (`model_type=vlm`) takes exactly one of `--image` and `--image-index` (a text run
+neither) and prints only the answer: the prompt is formatted as training formats a question
+(`prompt + " "`, after the image's tokens) and the answer ends at its "\\n", as the held-out VQA's
+(`train/vqa.py`; its `vqa_accuracy` is measured with the training recipe's dots, these are BF16).
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ def _parser() -> CommandParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default="")
+    parser.add_argument("--image", default=None)
+    parser.add_argument("--image-index", type=int, default=None)
     return parser
 
 
@@ -80,6 +94,62 @@ def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
         raise DataError(f"{exc} (the run's tokenizer; give its path with --tokenizer PATH)") from None
     documents = d.dataset_type in DOCUMENT_DATASET_TYPES
     return tokenizer, documents and d.add_bos, documents and d.add_eos
+
+
+def chosen_image(cfg: Config, prompt: str, path: str | None, index: int | None) -> tuple[np.ndarray, str] | None:
+    """A VLM run's image: `--image PATH` or `--image-index N` (exactly one), as float32 `[S, S, C]`
+    pixels of the run's image_size and image_channels, and a line saying which image it is. None
+    for a text run, which takes neither."""
+    # config errors come back before jax loads
+    from nvfp4_jax.data import DataError
+    from nvfp4_jax.data.image_text import read_image
+
+    m = cfg.model
+    given = [f"--image {path!r}"] * (path is not None) + [f"--image-index {index}"] * (index is not None)
+    if m.model_type != "vlm":
+        if given:
+            raise ConfigError(f"{' and '.join(given)}: this run's model_type={m.model_type!r} reads text only; "
+                              "an image is for a model_type='vlm' run.")
+        return None
+    if len(given) != 1:
+        raise ConfigError(f"{' and '.join(given)}: give one of them, not both." if given else
+                          "this run is a VLM (model_type='vlm'): give the image to ask about, --image PATH "
+                          "(a .npy or .png file) or --image-index N (a held-out image of the run's dataset).")
+    if path is not None:
+        try:
+            pixels = read_image(path)
+        except DataError as exc:
+            raise ConfigError(f"--image: {exc}") from None
+        what, about = f"--image {path!r}", f"image {os.path.abspath(path)}"
+    else:
+        pixels, what, about = held_out_image(cfg, index, prompt)
+    shape = (m.image_size, m.image_size, m.image_channels)
+    if pixels.shape != shape:
+        raise ConfigError(f"{what} is {pixels.shape} (height, width, channels), but this run's model reads "
+                          f"{shape} (image_size={m.image_size}, image_channels={m.image_channels}).")
+    return np.asarray(pixels, np.float32), about
+
+
+def held_out_image(cfg: Config, index: int, prompt: str) -> tuple[np.ndarray, str, str]:
+    """(pixels, its name in an error, the line about it) of the `index`-th image of the run's
+    held-out split (image_batches.split_images, as training split it), the line with its reference
+    answer to `prompt` where the dataset asks it that, else the questions it does ask."""
+    # config errors come back before jax loads
+    from nvfp4_jax.data.image_batches import split_images
+    from nvfp4_jax.data.image_text import image_source
+
+    name, images, examples = image_source(cfg.data)
+    held_out = split_images(images, cfg.data.eval_fraction, cfg.train.seed)["eval"]
+    if not 0 <= index < len(held_out):
+        raise ConfigError(f"--image-index={index} is out of range: the run's held-out split of {name} has "
+                          f"{len(held_out)} images, numbered 0 to {len(held_out) - 1}.")
+    image = int(held_out[index])
+    asked = [e for e in examples if e.image == image]
+    answers = [e.answer for e in asked if e.prompt == prompt]
+    reference = (f"reference answer {answers[0]!r}" if answers else "no reference answer to this prompt; "
+                 f"the dataset asks it {', '.join(repr(e.prompt) for e in asked)}")
+    return (images[image], f"held-out image {index} ({name} image {image})",
+            f"held-out image {index} of {len(held_out)}: {name} image {image}; {reference}")
 
 
 def next_token(logits_V: np.ndarray, *, temperature: float, top_k: int, rng: np.random.Generator) -> int:
@@ -124,8 +194,9 @@ def load_params(run_dir: str, cfg: Config):
     return restored.state.params, restored.step
 
 
-def bf16_logits(cfg: Config, params):
-    """`logits(tokens_1xL) -> fp32 logits_LxV`: the model with plain BF16 dots, jitted once."""
+def bf16_logits(cfg: Config, params, image_SxSxC: np.ndarray | None = None):
+    """`logits(tokens_1xL) -> fp32 logits_LxV`: the model with plain BF16 dots, jitted once; a
+    VLM's reads `image_SxSxC` ahead of the text."""
     # config errors come back before jax loads
     import jax
     import jax.numpy as jnp
@@ -133,8 +204,9 @@ def bf16_logits(cfg: Config, params):
     from nvfp4_jax.train.build import build_model
 
     model = build_model(dataclasses.replace(cfg.model, dtype="bfloat16"), quantized=False)
-    forward = jax.jit(lambda p, tokens_1xL: model.apply({"params": p}, tokens_1xL)[0])
-    return lambda tokens_1xL: np.asarray(forward(params, jnp.asarray(tokens_1xL)), np.float32)
+    images = () if image_SxSxC is None else (jnp.asarray(image_SxSxC)[None],)
+    forward = jax.jit(lambda p, tokens_1xL, *images: model.apply({"params": p}, tokens_1xL, *images)[0])
+    return lambda tokens_1xL: np.asarray(forward(params, jnp.asarray(tokens_1xL), *images), np.float32)
 
 
 def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, temperature: float, top_k: int,
@@ -162,6 +234,7 @@ def generate(logits_fn, prompt_ids, *, length: int, max_new_tokens: int, tempera
 def main(argv: list[str] | None = None) -> int:
     # config errors come back before jax loads
     from nvfp4_jax.data import DataError
+    from nvfp4_jax.data.image_batches import ANSWER_END, prompt_ids
     from nvfp4_jax.train.checkpoint import CheckpointError
 
     try:
@@ -181,19 +254,31 @@ def main(argv: list[str] | None = None) -> int:
         _check_utf8(args.prompt)
         cfg = read_run_config(args.run_dir)
         tokenizer, add_bos, stop_at_eos = run_tokenizer(cfg, args.tokenizer)
-        prompt_ids = tokenizer.encode(args.prompt, add_bos=add_bos)
-        if not len(prompt_ids):
-            raise ConfigError("--prompt is empty and this run's documents have no BOS to start from; give a prompt.")
+        image = chosen_image(cfg, args.prompt, args.image, args.image_index)
+        if image is None:
+            ids = tokenizer.encode(args.prompt, add_bos=add_bos)
+            stop_id = tokenizer.eos_id if stop_at_eos else None
+            if not len(ids):
+                raise ConfigError("--prompt is empty and this run's documents have no BOS to start from; "
+                                  "give a prompt.")
+        else:  # as training rows hold a question: its bytes and " ", the answer after; "\n" ends it
+            ids, stop_id = prompt_ids(args.prompt), ord(ANSWER_END)
+            if len(ids) >= cfg.model.text_length:
+                raise ConfigError(f"--prompt is {len(ids)} bytes with the ' ' after it, but this run's rows hold "
+                                  f"{cfg.model.text_length} text tokens (max_target_length - image tokens): "
+                                  "shorten it to leave room for the answer.")
         params, step = load_params(args.run_dir, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
         return fail(exc, Exit.NO_CHECKPOINT if isinstance(exc, CheckpointError) else Exit.BAD_INPUT,
                     debug=debug_requested(argv))
 
-    new = generate(bf16_logits(cfg, params), prompt_ids, length=cfg.model.max_target_length,
+    pixels, about = image or (None, tokenizer.describe())
+    new = generate(bf16_logits(cfg, params, pixels), ids, length=cfg.model.text_length,
                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed, eos_id=tokenizer.eos_id if stop_at_eos else None, num_ids=tokenizer.vocab_size)
-    print(f"[checkpoint step {step} of {os.path.abspath(args.run_dir)}; {tokenizer.describe()}]", file=sys.stderr)
-    print(tokenizer.decode(np.concatenate([prompt_ids, new]).astype(np.int64)), flush=True)
+                   seed=args.seed, eos_id=stop_id, num_ids=tokenizer.vocab_size)
+    print(f"[checkpoint step {step} of {os.path.abspath(args.run_dir)}; {about}]", file=sys.stderr)
+    shown = new if image is not None else np.concatenate([ids, new])  # an answer; a prompt and its continuation
+    print(tokenizer.decode(np.asarray(shown, np.int64)), flush=True)
     return Exit.OK
 
 
