@@ -46,3 +46,20 @@ def write_result(path: Path, leading: dict, *, note: str, rows: list, **fields) 
     result = dict(**leading, **environment(), **fields, note=note, rows=rows)
     write_json(path, result)
     return result
+
+
+def save_plot(path: Path, draw, *, figsize=(6, 4)) -> None:
+    """`draw(ax)` on one axes, with a legend, saved beside the results as `path` with `.png`;
+    nothing without matplotlib (the `plot` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    draw(ax)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=120)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import environment, write_json  # noqa: E402
+from _report import environment, save_plot, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["base_num_decoder_layers=2", "max_target_length=64", "per_device_batch_size=2", "eval_steps=2"]
@@ -118,24 +118,14 @@ def main() -> None:
     write_json(Path(a.out), {"environment": environment(), "model": MODEL, "slowdown": [1, 2, 4],
                              "policies": policies, "contracts": contracts,
                              "energy": "not measured (no power meter); --watts gives a stated model"})
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+    def draw(ax):
         for policy, v in policies.items():
             xs, ys = zip(*v["runs"][0]["loss_vs_makespan"])
             ax.plot(xs, ys, marker="o", label=policy)
         ax.set_xlabel("cumulative makespan (s)")
         ax.set_ylabel("global validation loss")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(Path(a.out).with_suffix(".png"), dpi=120)
-    except ImportError:
-        pass
 
+    save_plot(Path(a.out), draw)
 
 if __name__ == "__main__":
     main()
