@@ -320,7 +320,7 @@ def _site_files(args, cfg, merged: dict, run_dir: str) -> SiteFiles:
     if args.backbone:
         if cfg.train.load_parameters_path:
             raise ConfigError("--backbone sets load_parameters_path: give one of them")
-        # backbone imports the sampler's checkpoint reader (jax loads only when it reads)
+        # backbone imports train's parameters-checkpoint format (jax): only with --backbone
         from nvfp4_jax.federated.backbone import check_backbone
 
         saved = check_backbone(args.backbone, cfg)
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_site_files(files: SiteFiles, num_sites: int) -> None:
     """Writes `files` (the split data, the backbone), printing what each site holds."""
-    # split and image_split import the data package; backbone reads a checkpoint (jax): only when needed
+    # split and image_split import the data package: only once the job is checked
     from nvfp4_jax.federated.image_split import write_site_images
     from nvfp4_jax.federated.split import write_site_corpora
 
@@ -411,6 +411,7 @@ def _write_site_files(files: SiteFiles, num_sites: int) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if files.backbone is not None:
+        # reads the backbone's checkpoint (jax, the trainer): only with --backbone
         from nvfp4_jax.federated.backbone import write_backbone
 
         run_dir, saved, out_dir = files.backbone
