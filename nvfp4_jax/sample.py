@@ -31,7 +31,6 @@ neither) and prints only the answer: the prompt is formatted as training formats
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -39,8 +38,9 @@ import sys
 import numpy as np
 
 from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail, parse_command
-from nvfp4_jax.config import Config, ConfigError, from_dict
+from nvfp4_jax.config import Config, ConfigError
 from nvfp4_jax.config.choices import DOCUMENT_DATASET_TYPES
+from nvfp4_jax.train.run_dir import read_run_config
 
 # The smallest temperature but 0 (greedy): logits / T, computed in float64 from float32 logits
 # (|logit| < 3.5e38), stays finite for every T >= 1e-6, so softmax never becomes NaN; below it
@@ -71,14 +71,6 @@ def _check_utf8(prompt: str) -> None:
         raw = prompt[exc.start:exc.end].encode("utf-8", "surrogateescape")
         raise ConfigError(f"--prompt is not valid UTF-8 text: bytes {raw!r} at character {exc.start} "
                           "do not decode; give the prompt as UTF-8.") from None
-
-
-def read_run_config(run_dir: str) -> Config:
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{run_dir!r} is not a run directory: it has no config.json.")
-    with open(path) as f:
-        return from_dict(json.load(f))
 
 
 def run_tokenizer(cfg: Config, tokenizer_path: str = ""):
@@ -168,30 +160,9 @@ def next_token(logits_V: np.ndarray, *, temperature: float, top_k: int, rng: np.
 def load_params(run_dir: str, cfg: Config):
     """(params, step) of the newest intact checkpoint, restored on one device."""
     # config errors come back before jax loads
-    import jax
+    from nvfp4_jax.train.run_params import newest_params
 
-    from nvfp4_jax.config import MeshConfig
-    from nvfp4_jax.train import assembly, checkpoint
-
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        raise ConfigError(f"{run_dir!r} has no checkpoints/ folder (was enable_checkpointing=false?).")
-    # The training run's state tree (FP8 histories included) is what the checkpoint holds; it is
-    # restored on one device, whatever mesh and batch the run trained with.
-    abstract = assembly.assemble(cfg, jax.devices()[:1], mesh_config=MeshConfig(), check_batch=False).abstract_state
-    manager = checkpoint.make_manager(ckpt_dir, max_to_keep=cfg.train.max_checkpoints_to_keep)
-    try:
-        restored = checkpoint.restore_newest(manager, abstract, check_record=lambda step, record: None)
-    finally:
-        manager.close()
-    if restored is None:
-        raise ConfigError(f"{ckpt_dir} holds no checkpoint yet.")
-    if restored.rejected:
-        skipped = "; ".join(f"step {step} ({why})" for step, why in restored.rejected)
-        print(f"warning: skipped the damaged checkpoint{'s' if len(restored.rejected) > 1 else ''} "
-              f"{' '.join(skipped.split())} in {ckpt_dir}; sampling from step {restored.step}, the newest "
-              "intact one.", file=sys.stderr, flush=True)
-    return restored.state.params, restored.step
+    return newest_params(run_dir, cfg, use="sampling")
 
 
 def bf16_logits(cfg: Config, params, image_SxSxC: np.ndarray | None = None):

@@ -16,7 +16,8 @@ Options:
   --ema A, --deadband D     smoothing of the measured costs (0.5) and the deadband (0.05)
   --update K                full | diff | subset | adapters (default diff): what a site sends;
                             adapters: the LoRA adapters alone (lora_rank > 0), the backbone frozen
-  --trainable T             with --update subset: mlp | last:N | a regex over parameter paths
+  --trainable T             with --update subset: mlp | projector (a VLM's) | last:N | a regex over
+                            parameter paths; with --update adapters: leaves trained beside them
   --compression C           none | fp8 | nvfp4 (default none), with error feedback on the site
   --privacy F               none | percentile | svt | gaussian (FLARE result filters on every site)
   --percentile P, --gamma G options of --privacy percentile: share only the update values above
@@ -36,8 +37,14 @@ Options:
                             each round line shows every site's cumulative eps (gaussian: RDP
                             accountant; svt: FLARE's per-round epsilon, summed)
   --dirichlet-alpha A       split the bundled corpus by play between the sites, Dirichlet(A) per
-                            genre (default 1.0; used when the data is the bundled corpus)
-  --site-data PATH          one per site (repeat N times): each site's own text file
+                            genre (default 1.0; used when the data is the bundled corpus); a VLM
+                            on the digits: their training images by class, and each site's task
+                            mix, Dirichlet(A) each (federated/image_split.py)
+  --site-data PATH          one per site (repeat N times): each site's own text file (a VLM's:
+                            an image_text JSONL)
+  --backbone RUN_DIR        the initial global model: the newest checkpoint of a central
+                            `python -m nvfp4_jax.train` run of the same model and held-out split
+                            (under --update adapters|subset the backbone then never travels)
   --slowdown F1,F2,...      per-site compute slowdown factors (experiments), >= 1
   --watts W1,W2,...         per-site power for the stated energy model (joules = W x seconds)
   --site-devices K[,K2,...]  local devices per site (default 1; FSDP over them), one count for
@@ -66,6 +73,7 @@ job ended; one `error:` line names the last good global model), 1 an internal er
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -113,6 +121,7 @@ def _parser() -> CommandParser:
     p.add_argument("--dp-delta", type=float, default=1e-5)
     p.add_argument("--dirichlet-alpha", type=float, default=1.0)
     p.add_argument("--site-data", action="append", default=[])
+    p.add_argument("--backbone", default="")
     p.add_argument("--slowdown", default="")
     p.add_argument("--watts", default="")
     p.add_argument("--site-devices", default="1")
@@ -126,6 +135,15 @@ def _parser() -> CommandParser:
     p.add_argument("--workspace", default="")
     p.add_argument("--crash-site-in-round", default="", help=argparse.SUPPRESS)  # tests: "site-2:1"
     return p
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteFiles:
+    """What `main` writes before the job starts (None: nothing of that kind)."""
+
+    corpus: tuple | None = None  # (directory, alpha, seed, eval_fraction): the text corpus's split
+    images: tuple | None = None  # the same for the digits' training images (image_split.py)
+    backbone: tuple | None = None  # (RUN_DIR, its Config, the parameters checkpoint to write)
 
 
 def _site_devices(text: str, n: int) -> list[int]:
@@ -224,7 +242,8 @@ def build_spec(argv: list[str]):
     quanta = [global_batch_size(cfg.train.per_device_batch_size, k) for k in site_devices]
     global_batch = min(quanta)  # the nominal site's: the schedule counts its steps
     total = args.samples_per_round or 4 * global_batch * n
-    if "steps" not in merged:  # the learning-rate schedule spans the sites' expected local steps
+    if "steps" not in layers[-1]:  # the schedule spans the sites' expected local steps (a recipe's
+        # `steps` is central training's; `steps=` on the command line is kept)
         merged["steps"] = max(1, args.rounds * total // (n * global_batch))
     policy = budget_lib.BudgetPolicy(
         name=args.budget, total_samples=total, quantum=global_batch,
@@ -241,6 +260,8 @@ def build_spec(argv: list[str]):
         raise ConfigError("--update adapters sends the LoRA adapters: give the model some (lora_rank=8, say)")
     if contract.kind == "adapters" and cfg.train.train_params == "all":
         raise ConfigError("--update adapters trains the adapters alone: drop train_params=all")
+    if contract.kind == "adapters" and contract.trainable != "all":
+        merged["train_params"] = "all"  # the adapters and --trainable's leaves (the site freezes the rest)
     if args.stream_tensors and importlib.util.find_spec("torch") is None:
         raise ConfigError("--stream-tensors needs torch (FLARE's tensor streamers import it), which "
                           "nvfp4_jax[federated] does not install: pip install torch")
@@ -264,14 +285,15 @@ def build_spec(argv: list[str]):
         site, _, rnd = args.crash_site_in_round.partition(":")
         crash[site] = int(rnd)
     run_dir = os.path.abspath(os.path.join(cfg.train.base_output_directory, cfg.train.run_name))
+    files = _site_files(args, cfg, merged, run_dir)
     data_paths = list(args.site_data)
-    corpus = None
-    if not data_paths and cfg.data.dataset_type == "shakespeare":
-        # The sites hold only the text before the eval split the server evaluates on.
-        corpus = (os.path.join(run_dir, "site_data"), args.dirichlet_alpha, cfg.train.seed, cfg.data.eval_fraction)
-        if not (args.dirichlet_alpha > 0):
-            raise ConfigError(f"--dirichlet-alpha={args.dirichlet_alpha} must be > 0")
-        data_paths = [os.path.join(corpus[0], f"site-{i}.txt") for i in range(1, n + 1)]
+    if files.corpus is not None:
+        data_paths = [os.path.join(files.corpus[0], f"site-{i}.txt") for i in range(1, n + 1)]
+    elif files.images is not None:
+        # image_split loads the data package: only for a VLM's split
+        from nvfp4_jax.federated.image_split import EXAMPLES_FILE
+
+        data_paths = [os.path.join(files.images[0], f"site-{i}", EXAMPLES_FILE) for i in range(1, n + 1)]
     elif not data_paths:
         data_paths = [""] * n
     sites = tuple(
@@ -287,7 +309,36 @@ def build_spec(argv: list[str]):
         output_dir=run_dir, min_responses=args.min_responses, round_timeout=args.round_timeout,
         disk_offload=args.disk_offload, stream_tensors=args.stream_tensors, weighting=args.weighting,
         eval_batches=cfg.train.eval_steps)
-    return spec, args, corpus
+    return spec, args, files
+
+
+def _site_files(args, cfg, merged: dict, run_dir: str) -> SiteFiles:
+    """What the job's sites and server need written first: the split data (the bundled corpus,
+    or a VLM's digits, when no --site-data is given) and the --backbone's parameters (its path
+    set as `load_parameters_path` in `merged`, the run config)."""
+    backbone = None
+    if args.backbone:
+        if cfg.train.load_parameters_path:
+            raise ConfigError("--backbone sets load_parameters_path: give one of them")
+        # backbone imports train's parameters-checkpoint format (jax): only with --backbone
+        from nvfp4_jax.federated.backbone import check_backbone
+
+        saved = check_backbone(args.backbone, cfg)
+        merged["load_parameters_path"] = os.path.join(run_dir, "backbone")
+        backbone = (args.backbone, saved, merged["load_parameters_path"])
+    split_here = cfg.model.model_type == "vlm" or cfg.data.dataset_type == "shakespeare"
+    if args.site_data or not split_here:
+        return SiteFiles(backbone=backbone)
+    if not (args.dirichlet_alpha > 0):
+        raise ConfigError(f"--dirichlet-alpha={args.dirichlet_alpha} must be > 0")
+    # The sites hold only the data before (text) or outside (images) the split the server evaluates on.
+    split = (os.path.join(run_dir, "site_data"), args.dirichlet_alpha, cfg.train.seed, cfg.data.eval_fraction)
+    if cfg.model.model_type == "vlm":
+        if cfg.data.dataset_type != "digits":
+            raise ConfigError(f"a federated VLM splits the digits (dataset_type=digits) between the sites; with "
+                              f"dataset_type={cfg.data.dataset_type} give each site its own --site-data (image_text JSONL)")
+        return SiteFiles(images=split, backbone=backbone)
+    return SiteFiles(corpus=split, backbone=backbone)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,18 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return Exit.OK
     try:
-        spec, args, corpus = build_spec(argv)
-        if corpus is not None:
-            # split imports the data package (and its tokenizers) only when a corpus is split
-            from nvfp4_jax.federated.split import write_site_corpora
-
-            try:
-                holdings = write_site_corpora(corpus[0], len(spec.sites), *corpus[1:])
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            for h in holdings:
-                genres = ", ".join(f"{g} {c}" for g, c in sorted(h["genres"].items()))
-                print(f"[federated] {h['site']}: {h['plays']} plays ({genres}), {h['bytes']} bytes", flush=True)
+        spec, args, files = build_spec(argv)
+        _write_site_files(files, len(spec.sites))
     except ConfigError as exc:
         return fail(exc, debug=debug)
     try:
@@ -348,6 +389,35 @@ def main(argv: list[str] | None = None) -> int:
     if ended:
         return fail(ended, Exit.SITES_FAILED)
     return Exit.OK
+
+
+def _write_site_files(files: SiteFiles, num_sites: int) -> None:
+    """Writes `files` (the split data, the backbone), printing what each site holds."""
+    # split and image_split import the data package: only once the job is checked
+    from nvfp4_jax.federated.image_split import write_site_images
+    from nvfp4_jax.federated.split import write_site_corpora
+
+    try:
+        if files.corpus is not None:
+            for h in write_site_corpora(files.corpus[0], num_sites, *files.corpus[1:]):
+                genres = ", ".join(f"{g} {c}" for g, c in sorted(h["genres"].items()))
+                print(f"[federated] {h['site']}: {h['plays']} plays ({genres}), {h['bytes']} bytes", flush=True)
+        if files.images is not None:
+            for h in write_site_images(files.images[0], num_sites, *files.images[1:]):
+                classes = " ".join(f"{c}:{k}" for c, k in h["classes"].items())
+                tasks = ", ".join(f"{t} {k}" for t, k in h["tasks"].items())
+                print(f"[federated] {h['site']}: {h['images']} training images (digits {classes}), "
+                      f"{h['examples']} examples ({tasks})", flush=True)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if files.backbone is not None:
+        # reads the backbone's checkpoint (jax, the trainer): only with --backbone
+        from nvfp4_jax.federated.backbone import write_backbone
+
+        run_dir, saved, out_dir = files.backbone
+        step = write_backbone(run_dir, saved, out_dir)
+        print(f"[federated] backbone: step {step} of {os.path.abspath(run_dir)} (pretrained centrally), "
+              f"the initial global model", flush=True)
 
 
 def _rounds(output_dir: str) -> list[dict]:

@@ -2,7 +2,8 @@
 budget on local data with this project's trainer, send back the update the contract declares.
 
 Run by FLARE (`ScriptRunner`), one per site, with the site's own arguments:
-  --data-path PATH      this site's training text (`dataset_type=text`), as the simulator and POC
+  --data-path PATH      this site's training text (`dataset_type=text`; a VLM's: an image_text
+                        JSONL, `dataset_type=image_text`), as the simulator and POC
                         mode pass it; empty (an exported job): the site's own setting (below)
   --devices K           local devices this site trains on (FSDP over them); 0: all
   --slowdown F          experiments: stretch compute time by F (a slower site), >= 1
@@ -51,6 +52,15 @@ def site_data_path(given: str, environ=None, workspace: str = "") -> tuple[str, 
     if not os.path.isfile(path):
         raise ValueError(f"the site's data path {path!r} (from {source}) is not a file")
     return path, source
+
+
+def site_data_overrides(run_config: dict, data_path: str) -> dict:
+    """The config keys that make a site train on its own `data_path` (empty: none): a text
+    file for the Llama, an `image_text` JSONL (examples.jsonl beside its images) for a VLM."""
+    if not data_path:
+        return {}
+    kind = "image_text" if run_config.get("model_type") == "vlm" else "text"
+    return {"dataset_type": kind, "dataset_path": data_path}
 
 
 def _parser() -> CommandParser:
@@ -114,8 +124,7 @@ def _train_round(args, site, spec, received, state):
         data_path, source = site_data_path(args.data_path)
         shown = data_path or "the run config's own data"
         print(f"{site}: training on {shown} (from {source})", flush=True)
-        overrides = {"dataset_type": "text", "dataset_path": data_path} if data_path else {}
-        cfg = make_config(spec["config"], overrides)
+        cfg = make_config(spec["config"], site_data_overrides(spec["config"], data_path))
         devices = jax.devices()
         if args.devices:
             start = args.device_offset % len(devices)

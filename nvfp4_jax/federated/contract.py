@@ -4,7 +4,8 @@
   adds the weighted mean of the differences), `subset`: only the trainable parameters (a
   frozen backbone: `trainable=mlp` or `trainable=last:N`), sent as differences, or `adapters`:
   only the LoRA adapters (a model with `lora_rank > 0`, its backbone frozen on every site), sent
-  as differences. Under `subset` and `adapters` the rest of the model never changes on a site and
+  as differences; `adapters` with `trainable` (e.g. `projector`, a VLM's): the adapters and
+  those leaves. Under `subset` and `adapters` the rest of the model never changes on a site and
   never travels, in either direction: every site starts from the same backbone as the server
   (the same `seed`, or the same `load_parameters_path`), and the server sends only the trained
   leaves (`server.BudgetedFedAvg._sent_model`).
@@ -44,7 +45,7 @@ _BLOCK = 16
 @dataclasses.dataclass(frozen=True)
 class UpdateContract:
     kind: str = "diff"
-    trainable: str = "all"  # all | mlp | last:N (layers) | a regular expression over leaf paths
+    trainable: str = "all"  # all | mlp | projector (a VLM's) | last:N (layers) | a regex over leaf paths
     compression: str = "none"
 
     @property
@@ -64,43 +65,53 @@ def check_contract(c: UpdateContract) -> None:
         raise ValueError(f"compression={c.compression!r} is not one of {', '.join(COMPRESSIONS)}")
     if c.compression != "none" and not c.sends_difference:
         raise ValueError(f"compression={c.compression} compresses differences: use update=diff or update=subset")
-    if c.kind != "subset" and c.trainable != "all":
-        raise ValueError(f"trainable={c.trainable!r} needs update=subset (a frozen backbone)")
+    if c.kind not in ("subset", "adapters") and c.trainable != "all":
+        raise ValueError(f"trainable={c.trainable!r} needs update=subset or update=adapters (a frozen backbone)")
     if c.kind == "subset" and c.trainable == "all":
         raise ValueError("update=subset needs trainable=mlp, trainable=last:N or a pattern over parameter paths")
     if c.trainable.startswith("last:"):
         n = c.trainable[5:]
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"trainable={c.trainable!r}: N in last:N must be a positive integer")
-    elif c.trainable not in ("all", "mlp"):
+    elif c.trainable not in NAMED:
         try:
             re.compile(c.trainable)
         except re.error as exc:
             raise ValueError(f"trainable={c.trainable!r} is not a valid regular expression: {exc}") from None
 
 
+# The named selections of `trainable` (else last:N or a regular expression).
+NAMED = ("all", "mlp", "projector")
 _LAYER = re.compile(r"(?:^|/)layers_(\d+)/")
 
 
 def trainable_paths(c: UpdateContract, paths: list[str], num_layers: int) -> list[str]:
     """The leaf paths a site trains and sends, in `paths`' order."""
     if c.kind == "adapters":
-        chosen = [p for p in paths if p.rsplit("/", 1)[-1] in _ADAPTER_LEAVES]
-        if not chosen:
+        adapters = {p for p in paths if p.rsplit("/", 1)[-1] in _ADAPTER_LEAVES}
+        if not adapters:
             raise ValueError("update=adapters needs a model with LoRA adapters: set lora_rank > 0")
-        return chosen
+        extra = set() if c.trainable == "all" else set(_selected(c.trainable, paths, num_layers))
+        return [p for p in paths if p in adapters or p in extra]
     if c.trainable == "all":
         return list(paths)
-    if c.trainable == "mlp":
+    return _selected(c.trainable, paths, num_layers)
+
+
+def _selected(trainable: str, paths: list[str], num_layers: int) -> list[str]:
+    """The paths a `trainable` other than `all` selects (ValueError when none)."""
+    if trainable == "mlp":
         chosen = [p for p in paths if "/mlp/" in p]
-    elif c.trainable.startswith("last:"):
-        first = num_layers - int(c.trainable[5:])
+    elif trainable == "projector":
+        chosen = [p for p in paths if p.startswith("projector/")]
+    elif trainable.startswith("last:"):
+        first = num_layers - int(trainable[5:])
         chosen = [p for p in paths if (m := _LAYER.search(p)) and int(m.group(1)) >= first]
     else:
-        pattern = re.compile(c.trainable)
+        pattern = re.compile(trainable)
         chosen = [p for p in paths if pattern.search(p)]
     if not chosen:
-        raise ValueError(f"trainable={c.trainable!r} selects no parameter (paths look like {paths[0]!r})")
+        raise ValueError(f"trainable={trainable!r} selects no parameter (paths look like {paths[0]!r})")
     return chosen
 
 

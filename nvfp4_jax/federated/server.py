@@ -15,12 +15,14 @@
   server's memory; FLARE's own tensor disk offload is passed on too (it applies only to streamed
   PyTorch tensors, and this project sends NumPy). `federated.json` records `aggregation`
   (`disk` or `memory`) and each round's `aggregation_disk_bytes`;
-- `update_model`: the new global model is evaluated on the held-out set, each site's privacy
+- `update_model`: the new global model is evaluated on the held-out set (a VLM: its validation
+  loss and held-out `vqa_accuracy` beside `vqa_chance`), each site's privacy
   spending is accounted (`accounting.py`), the round is printed and recorded in
   `<output_dir>/federated.json`. A round in which every site failed leaves the global model as
   it was (FLARE's mean of nothing is an empty model) and ends the job: the later rounds send
   nothing, and `ended_in_round` says where it stopped.
-The initial global model is the project's own initialisation (`seed`), made on the server.
+The initial global model is the project's own initialisation (`seed`), made on the server, or
+the parameters `load_parameters_path` names (`--backbone`, `backbone.py`).
 """
 
 from __future__ import annotations
@@ -127,8 +129,7 @@ class BudgetedFedAvg(FedAvg):
 
     def load_model(self) -> FLModel:
         params = self._eval().initial_params()
-        loss = self._eval().loss(params)
-        self._emit({"round": 0, "validation_loss": loss, "budgets": None})
+        self._emit({"round": 0, **self._eval().scores(params), "budgets": None})
         return FLModel(params=params, params_type=ParamsType.FULL)
 
     def _save_model(self, model: FLModel) -> None:
@@ -249,7 +250,7 @@ class BudgetedFedAvg(FedAvg):
         seconds = [r["seconds"] for r in self._reports.values() if not r.get("failed")]
         record = {
             "round": len(self._history),
-            "validation_loss": self._eval().loss(model.params),
+            **self._eval().scores(model.params),  # validation_loss (a VLM: and vqa_accuracy, vqa_chance)
             "budgets": budget_lib.by_site(self.site_names, self._budgets or []),
             "sites": self._reports,
             "makespan_s": makespan,
@@ -320,10 +321,15 @@ def round_line(record: dict, num_rounds: int) -> str:
     """A round's line: the global validation loss, then (after round 0) the budgets, the makespan,
     the bytes sent, the sites that sent nothing, the privacy spent, and an end of the job."""
     line = f"round {record['round']}/{num_rounds}: global validation loss {record['validation_loss']:.4f}"
+    if "vqa_accuracy" in record:
+        line += f", held-out VQA {record['vqa_accuracy']:.3f} (chance {record['vqa_chance']:.3f})"
     if record.get("budgets"):
         line += " | samples " + " ".join(f"{s}={b}" for s, b in record["budgets"].items())
         line += (f" | makespan {record['makespan_s']:.2f} s (compute {record.get('compute_makespan_s', 0.0):.2f} s)"
                  f" | sent {record['bytes_sent'] / 1e6:.3f} MB")
+        senders = sum(1 for r in (record.get("sites") or {}).values() if not r.get("failed"))
+        if record.get("full_model_bytes") and senders:  # what the same sites' full models would be
+            line += f" ({100 * record['bytes_sent'] / (senders * record['full_model_bytes']):.1f}% of full models)"
     if record.get("sites"):
         failed = [s for s, r in record["sites"].items() if r.get("failed")]
         if failed:

@@ -37,6 +37,7 @@ from nvfp4_jax.federated import energy as energy_lib
 from nvfp4_jax.federated.contract import UpdateContract, trainable_paths
 from nvfp4_jax.train import assembly
 from nvfp4_jax.train import params_checkpoint as params_lib
+from nvfp4_jax.train import vqa as vqa_lib
 
 SEP = "/"
 
@@ -121,7 +122,7 @@ class SiteTrainer:
         # The parameter paths decide which leaves train (a frozen backbone keeps the rest as received).
         self.paths = list(traverse_util.flatten_dict(run.abstract_state.params, sep=SEP))
         self.trainable = trainable_paths(contract, self.paths, cfg.model.base_num_decoder_layers)
-        if contract.kind == "adapters":
+        if contract.kind == "adapters" and contract.trainable == "all":
             if not run.adapters_only:
                 raise ValueError("update=adapters trains the adapters alone: train_params must be auto or adapters")
         elif len(self.trainable) < len(self.paths):
@@ -183,14 +184,19 @@ class SiteTrainer:
 
 
 class Evaluator:
-    """Validation loss of a flat parameter dict on a fixed set of held-out batches."""
+    """Validation loss of a flat parameter dict on a fixed set of held-out batches; for a VLM also
+    its held-out question answering (`train/vqa.py`: every held-out question, greedy)."""
+
+    # The VQA figures a round records (vqa_scores' others are per type or derived).
+    VQA_KEYS = ("vqa_accuracy", "vqa_chance", "vqa_questions", "vqa_accuracy_by_type")
 
     def __init__(self, cfg: Config, *, devices=None, num_batches: int | None = None):
         run = assembly.assemble(cfg, devices)
-        self.mesh = run.mesh
+        self.mesh, self.model = run.mesh, run.model
         self.state = initial_state(run)
         self.eval_fn = run.eval_step
         data = run.dataset("eval")
+        self.vqa_data = data if cfg.model.model_type == "vlm" else None
         self.batches = [run.put(data.batch(i)) for i in range(num_batches or cfg.train.eval_steps)]
 
     def initial_params(self) -> dict[str, np.ndarray]:
@@ -200,3 +206,12 @@ class Evaluator:
         state = self.state.replace(params=_with_values(self.state.params, params))
         losses = [self.eval_fn(state, b) for b in self.batches]
         return float(np.mean(jax.device_get(losses)))
+
+    def scores(self, params: Mapping[str, np.ndarray]) -> dict:
+        """{"validation_loss": ...}, and for a VLM `VQA_KEYS` of the held-out questions."""
+        out = {"validation_loss": self.loss(params)}
+        if self.vqa_data is not None:
+            state = self.state.replace(params=_with_values(self.state.params, params))
+            vqa = vqa_lib.vqa_scores(self.model, state, self.vqa_data)
+            out.update({k: vqa[k] for k in self.VQA_KEYS})
+        return out

@@ -67,13 +67,14 @@ def training_plays(eval_fraction: float) -> list[Play]:
     return out
 
 
-def dirichlet_split(genres: list[str], num_sites: int, alpha: float, seed: int) -> list[list[int]]:
-    """Play indices per site: for each genre, proportions ~ Dirichlet(alpha, ..., alpha) over the
-    sites, and that genre's plays dealt out in those proportions."""
+def dirichlet_split(genres: list, num_sites: int, alpha: float, seed: int, unit: str = "plays") -> list[list[int]]:
+    """Item indices per site (plays; or images, whose `genres` are their classes): for each
+    genre, proportions ~ Dirichlet(alpha, ..., alpha) over the sites, and that genre's items
+    dealt out in those proportions. `unit` names the items in errors."""
     if num_sites < 1:
         raise ValueError(f"sites={num_sites} must be at least 1")
     if num_sites > len(genres):
-        raise ValueError(f"sites={num_sites}: the corpus has only {len(genres)} plays to split")
+        raise ValueError(f"sites={num_sites}: there are only {len(genres)} {unit} to split")
     if not (alpha > 0 and np.isfinite(alpha)):
         raise ValueError(f"dirichlet_alpha={alpha} must be a positive finite number")
     rng = np.random.default_rng(seed)

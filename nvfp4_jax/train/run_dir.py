@@ -22,7 +22,7 @@ import json
 import os
 from typing import Any, Callable, Iterator, TextIO
 
-from nvfp4_jax.config import Config, ConfigError, save_json
+from nvfp4_jax.config import Config, ConfigError, from_dict, save_json
 from nvfp4_jax.train import run_lock
 from nvfp4_jax.train.run_lock import RunLockedError  # noqa: F401  (re-exported: callers catch it here)
 
@@ -116,6 +116,15 @@ def read_config(run_dir: str) -> dict | None:
     """The saved config in `to_dict` form; None when absent or unreadable."""
     saved = _read_json(os.path.join(run_dir, CONFIG))
     return saved if isinstance(saved, dict) else None
+
+
+def read_run_config(run_dir: str) -> Config:
+    """The run's saved config; ConfigError (one line) when `run_dir` has no config.json."""
+    path = os.path.join(run_dir, CONFIG)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{run_dir!r} is not a run directory: it has no {CONFIG}.")
+    with open(path) as f:
+        return from_dict(json.load(f))
 
 
 # --- summary.json -------------------------------------------------------------------------------

@@ -25,8 +25,15 @@ def test_the_adapters_contract_sends_exactly_the_adapter_matrices():
     assert C.trainable_paths(adapters, PATHS, 1) == [p for p in PATHS if "lora" in p]
     with pytest.raises(ValueError, match="needs a model with LoRA adapters: set lora_rank > 0"):
         C.trainable_paths(adapters, [p for p in PATHS if "lora" not in p], 1)
-    with pytest.raises(ValueError, match="needs update=subset"):
-        C.check_contract(C.UpdateContract(kind="adapters", trainable="mlp"))
+    # With `trainable`: the adapters and the leaves it selects (a VLM's projector, say).
+    with_mlp = C.UpdateContract(kind="adapters", trainable="mlp")
+    C.check_contract(with_mlp)
+    assert C.trainable_paths(with_mlp, PATHS, 1) == [p for p in PATHS if "lora" in p or "/mlp/" in p]
+    vlm = ["projector/dense_0/kernel", "vision/layers_0/mlp/up/kernel", *(f"decoder/{p}" for p in PATHS)]
+    assert C.trainable_paths(C.UpdateContract(kind="adapters", trainable="projector"), vlm, 1) == [
+        p for p in vlm if "lora" in p or p.startswith("projector/")]
+    with pytest.raises(ValueError, match="needs update=subset or update=adapters"):
+        C.check_contract(C.UpdateContract(kind="diff", trainable="projector"))
     assert not C.UpdateContract(kind="diff").frozen_backbone
 
 

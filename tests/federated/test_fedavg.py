@@ -138,7 +138,7 @@ def test_a_round_s_makespan_is_its_wall_time_beside_the_slowest_site_s_busy_time
 
     ctrl = _controller()
     ctrl._history = [{"round": 0, "validation_loss": 5.0, "budgets": None}]
-    ctrl._evaluator = SimpleNamespace(loss=lambda params: 4.0)  # the server's evaluation, stood in
+    ctrl._evaluator = SimpleNamespace(scores=lambda params: {"validation_loss": 4.0})  # the server's evaluation, stood in
     monkeypatch.setattr(server.FedAvg, "update_model", lambda self, model, aggr: aggr)  # FLARE's update
     ctrl._reports = {"site-1": {"seconds": 0.1, "samples": 2}, "site-2": {"seconds": 0.3, "samples": 2}}
     ctrl._budgets = [2, 2]
