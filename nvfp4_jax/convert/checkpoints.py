@@ -172,10 +172,13 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
     st = _safetensors()
     shapes = param_shapes(m)
     checksums = {}
-    with contextlib.ExitStack() as files:
-        handles = {}
-        for path, placements in sources.items():
-            leaf = np.empty(shapes[path], np.float32)
+    for path, placements in sources.items():
+        leaf = np.empty(shapes[path], np.float32)
+        # The shard files are memory-mapped: a page read stays resident while its file is open,
+        # so each leaf closes the files it read (kept open, they would end up holding every
+        # byte of the HF checkpoint beside the leaf).
+        with contextlib.ExitStack() as files:
+            handles = {}
             for name, t in placements:
                 file = headers[name][0]
                 if file not in handles:
@@ -184,9 +187,9 @@ def from_hf(hf_dir: str, out_dir: str, overrides: Mapping[str, str] = ()) -> Mod
                 np.copyto(leaf if t.index is None else leaf[t.index], hf_array.T if t.transpose else hf_array,
                           casting="unsafe")
                 del hf_array
-            with _writing(out_dir):
-                checksums[path] = params_lib.write_leaf(out_dir, path, leaf)
-            del leaf
+        with _writing(out_dir):
+            checksums[path] = params_lib.write_leaf(out_dir, path, leaf)
+        del leaf
     with _writing(out_dir):
         params_lib.write_meta(out_dir, m, os.path.abspath(hf_dir), {p: checksums[p] for p in shapes})
     return m
