@@ -221,16 +221,21 @@ def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
     The mesh is set around the call, not inside the traced function: `jax.set_mesh` may not be
     entered under `jit`.
     """
-    jitted = jax.jit(fn, **jit_kwargs)
+    return within(lambda: activation_sharding(mesh), jax.jit(fn, **jit_kwargs))
 
-    @functools.wraps(fn)
+
+def within(context, step):
+    """`step` (a jitted callable) and its `.lower` (for HLO inspection: benchmarks, tests),
+    each called inside a fresh `context()`."""
+
+    @functools.wraps(step)
     def call(*args):
-        with activation_sharding(mesh):
-            return jitted(*args)
+        with context():
+            return step(*args)
 
     def lower(*args):
-        with activation_sharding(mesh):
-            return jitted.lower(*args)
+        with context():
+            return step.lower(*args)
 
-    call.lower = lower  # for HLO inspection (benchmarks, tests)
+    call.lower = lower
     return call

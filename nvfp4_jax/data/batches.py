@@ -26,6 +26,14 @@ class Split:
     seed: int
     vocab_size: int
 
+    # A split whose rows are drawn anywhere in it at every step (a source with epochs overrides
+    # these): nothing to announce, and every requested eval batch exists.
+    def notice(self, step: int) -> str | None:
+        return None
+
+    def eval_limit(self, steps: int) -> tuple[int, str | None]:
+        return steps, None
+
 
 class StepBatches(Protocol):
     """Batches of one split, indexed by step."""

@@ -109,13 +109,6 @@ class ImageTextBatches(Split):
         return (f"{self.name} {self.split}: {len(self.examples):,} examples ({', '.join(kinds)}) of "
                 f"{len(self.image_ids):,} images")
 
-    def notice(self, step: int) -> str | None:
-        """Examples are drawn anywhere in the split at every step: no epochs to announce."""
-        return None
-
-    def eval_limit(self, steps: int) -> tuple[int, str | None]:
-        return steps, None
-
     def rows(self, examples: Sequence[Example]) -> dict[str, np.ndarray]:
         """The batch of `examples`: the text rows' keys and `images` (float32 `[B, S, S, C]`)."""
         rows = [text_row(e, self.seq_len) for e in examples]

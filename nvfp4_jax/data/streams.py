@@ -99,14 +99,6 @@ class TokenBatches(Split):
         return (f"{self.name} {self.split}: {self.num_tokens:,} tokens "
                 f"([{start:,}, {stop:,}) of {len(self.tokens):,})")
 
-    def notice(self, step: int) -> str | None:
-        """Windows are drawn anywhere in the split at every step: there are no epochs to announce."""
-        return None
-
-    def eval_limit(self, steps: int) -> tuple[int, str | None]:
-        """Every requested eval batch exists (windows may overlap)."""
-        return steps, None
-
     def _rng(self, step: int, *extra: int) -> np.random.Generator:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}.")

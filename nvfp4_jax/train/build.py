@@ -7,7 +7,6 @@ more than its shard of the model or optimizer state.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import flax.linen as nn
 import jax
@@ -150,18 +149,7 @@ def backend_scope(model: Llama):
 
 def _in_scope(model: Llama, step):
     """`step` (a `sharded_jit` callable) and its `.lower`, called under `backend_scope(model)`."""
-
-    @functools.wraps(step)
-    def call(*args):
-        with backend_scope(model):
-            return step(*args)
-
-    def lower(*args):
-        with backend_scope(model):
-            return step.lower(*args)
-
-    call.lower = lower
-    return call
+    return sharding.within(lambda: backend_scope(model), step)
 
 
 def state_shardings(model, optimizer, seq_len: int, mesh: Mesh):
