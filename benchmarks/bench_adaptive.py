@@ -1,4 +1,4 @@
-"""Adaptive sample budgets against equal and static splits, measured end to end (issue 31, item 3).
+"""Adaptive sample budgets against equal and static splits, measured end to end.
 
 Regimes:
   ddp  `python -m nvfp4_jax.federated.ddp`: 3 worker processes, a fixed global batch of 16

@@ -1,7 +1,7 @@
 """This tree's train step against another revision's, interleaved step by step in one run.
 
     git archive fb5f34b | tar -x -C /tmp/nvfp4-base     # the revision to compare with
-    python benchmarks/bench_step_vs_revision.py --baseline /tmp/nvfp4-base \\
+    python benchmarks/bench_step_vs_revision.py --baseline /tmp/nvfp4-base --baseline-revision fb5f34b \\
         [--variants scanned:scan_layers=true unrolled:scan_layers=false] \\
         [--presets tiny,small-25m] [--recipes bf16,te_nvfp4] [--out PATH]
 
@@ -67,6 +67,7 @@ def _worker(name: str, root: str, cases: list[str], overrides: dict[str, str]) -
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", help="root of the revision to compare with (a git archive)")
+    ap.add_argument("--baseline-revision", help="the commit that root was archived from (recorded)")
     ap.add_argument("--variants", nargs="*", default=["now:"],
                     help="NAME:key=value,... config overrides for this tree, one worker each")
     ap.add_argument("--presets", default="tiny,small-25m")
@@ -124,7 +125,7 @@ def main(argv=None) -> dict:
     command = "python " + " ".join([os.path.relpath(__file__, Path.cwd())] + list(argv or sys.argv[1:]))
     return write_result(
         args.out, dict(command=command),
-        baseline=args.baseline,
+        baseline=args.baseline, baseline_revision=args.baseline_revision,
         wall_s=round(time.perf_counter() - t0, 1),
         note="median of interleaved rounds after warm-up, one worker process per revision, one "
         "device, fixed synthetic batch; first_step_s includes compilation",

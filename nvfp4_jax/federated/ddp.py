@@ -1,5 +1,5 @@
 """Data parallel training with per-process shares of a fixed global batch, from the command line
-(issue 31, DDP; the numerics are `shares.py`, the design docs/scaling.md):
+(the numerics are `shares.py`, the design docs/scaling.md):
 
   python -m nvfp4_jax.federated.ddp --processes P [options] [config.yml] [key=value ...]
 

@@ -1,4 +1,4 @@
-"""Data parallel training with per-process shares of a fixed global batch (issue 31, DDP): the numerics.
+"""Data parallel training with per-process shares of a fixed global batch: the numerics.
 
 Every step has a fixed global batch of K microbatches of a fixed size M. Worker i trains its share
 of k_i microbatches (sum k_i = K, k_i >= 1; every array keeps a static shape: no padding, no dummy

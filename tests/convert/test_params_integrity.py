@@ -1,5 +1,5 @@
 """Parameters checkpoints carry per-array checksums: a changed, reshaped or unwritable array is
-one `error:` line naming it, exit 2, and nothing partial is left behind (issue 33 items 3, 14, 15)."""
+one `error:` line naming it, exit 2, and nothing partial is left behind."""
 
 import json
 import os

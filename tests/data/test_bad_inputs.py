@@ -1,5 +1,5 @@
 """Damaged or mis-encoded data files: each is one `error: ...` line (exit 2) naming the file, and
-where it can be, the byte, row group or record, before anything compiles (issue 33).
+where it can be, the byte, row group or record, before anything compiles.
 
 Fixtures are built here: invalid UTF-8 written as bytes, Parquet pages and ArrayRecord chunks
 overwritten in place, indexes and JSON files replaced by garbage."""

@@ -1,4 +1,4 @@
-"""`prepare` on a full disk: one error line, and its `.partial` file removed (issue 33 item 15)."""
+"""`prepare` on a full disk: one error line, and its `.partial` file removed."""
 
 import errno
 import os
