@@ -580,3 +580,27 @@ def test_emulated_dot_computes_the_factors_once_per_pass(monkeypatch, xwg):
     assert trace(EMULATED) == [(2,), (3,)]
     kernels = select.with_operand_kernels(EMULATED, select.operand_kernels("pallas"))
     assert kernels.operand_group is None
+
+
+@pytest.mark.parametrize("recipe", ["te_nvfp4", "mxfp4_nvfp4_recipe", "te_fp8_currentscaling"])
+def test_leading_token_axes_are_flattened_into_the_same_bits(recipe):
+    """A quantized dot of `[B, L, K]` activations is the same computation as of `[B * L, K]`
+    (the model's MLP hands its dots flattened tokens, its attention projections do not): forward,
+    DGRAD and WGRAD bit for bit, stochastic rounding and the RHT included. A quantizer that
+    blocked, scaled or drew noise per leading row would differ."""
+    B, L = 2, T // 2
+    dot = make_dot_general(get_recipe(recipe), KEY)
+    x_BxLxK = _data((B, L, K), 1, jnp.bfloat16)
+    w_KxN = _data((K, N), 2, scale=0.1)
+    dy_BxLxN = _data((B, L, N), 3, jnp.bfloat16)
+
+    def three_d(x, w):
+        return dot(x, w, (((2,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+    def flat(x, w):
+        return dot(x.reshape(B * L, K), w, DIMS, preferred_element_type=jnp.bfloat16).reshape(B, L, N)
+
+    (y3, vjp3), (y2, vjp2) = (jax.vjp(jax.jit(f), x_BxLxK, w_KxN) for f in (three_d, flat))
+    assert_same_bits(y2, y3, "forward")
+    for name, got, want in zip(("dgrad", "wgrad"), vjp2(dy_BxLxN), vjp3(dy_BxLxN)):
+        assert_same_bits(got, want, name)
