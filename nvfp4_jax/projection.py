@@ -24,6 +24,7 @@ import dataclasses
 from typing import Mapping
 
 from nvfp4_jax.config import ModelConfig
+from nvfp4_jax.quant.recipe import get_recipe
 
 # Measured by this project on an H200 (jax 0.11.2, CUDA 13): a bf16 GEMM of
 # 8192x4096x14336 (the Llama 3 8B MLP shape) at ~580 TFLOP/s of the 989 TFLOP/s dense peak, and a
@@ -63,8 +64,9 @@ DEVICES: Mapping[str, Device] = {
                     "https://www.nvidia.com/en-us/data-center/gb300-nvl72/ rack figures / 72 (FP4 dense)"),
 }
 
-RECIPES = ("bf16", "fp8", "nvfp4", "nvfp4_no_rht")
-_MLP_FORMAT = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "fp4", "nvfp4_no_rht": "fp4"}
+# The quantization flags projected (the recipes themselves come from quant.recipe.RECIPES).
+RECIPES = ("bf16", "te_fp8_delayedscaling", "te_nvfp4", "te_nvfp4_no_rht")
+_RATE_FORMAT = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}  # recipe format -> tensor cores
 # Bytes written per quantized element: FP8 one; NVFP4 half a byte plus one E4M3 scale per 16.
 _WRITE_BYTES = {"fp8": 1.0, "fp4": 0.5 + 1.0 / 16}
 _READ_PASSES = {"fp8": 1, "fp4": 2}  # delayed-scaling FP8: one pass; NVFP4: amax, then quantize
@@ -121,7 +123,7 @@ def project(
     }
     out = {}
     for recipe in RECIPES:
-        fmt = _MLP_FORMAT[recipe]
+        fmt = _RATE_FORMAT[get_recipe(recipe).format]
         terms = dict(shared, **{"MLP GEMMs": mlp / _rate(device, fmt, fp4_eff), "quantization": 0.0})
         if fmt != "bf16":
             # Per layer: gate, up (X: T x D each) and down (X: T x F); dY of gate/up T x F, of
@@ -132,7 +134,7 @@ def project(
             per_copy = 2.0 * _READ_PASSES[fmt] + _WRITE_BYTES[fmt]
             elems = 2 * (x_elems + dy_elems) + w_elems
             terms["quantization"] = N * elems * per_copy / bw
-            if recipe == "nvfp4":  # the 16x16 RHT of both WGRAD operands, in its two passes
+            if get_recipe(recipe).rht_wgrad:  # the 16x16 RHT of both WGRAD operands, in its two passes
                 terms["quantization"] += N * 2 * (x_elems + dy_elems) * 2 * 32 / _rate(device, "bf16")
         compute = sum(terms.values())
         terms["exposed collectives"] = max(0.0, comm_bytes / (device.nvlink * 1e12) - compute)
@@ -141,7 +143,7 @@ def project(
         low, high = (project(cfg, device, per_device_batch=per_device_batch, seq_len=seq_len,
                              num_devices=num_devices, fp4_gemm_efficiency=e) for e in FP4_GEMM_EFFICIENCY_BOUNDS)
         for recipe in RECIPES:
-            if _MLP_FORMAT[recipe] == "fp4":
+            if _RATE_FORMAT[get_recipe(recipe).format] == "fp4":
                 out[recipe] = dataclasses.replace(out[recipe], band=(low[recipe].seconds, high[recipe].seconds))
     return out
 
@@ -149,10 +151,10 @@ def project(
 def format_projection(cfg: ModelConfig, device: Device, estimates: Mapping[str, StepEstimate]) -> str:
     names = list(next(iter(estimates.values())).terms)
     lines = [f"projected step time on {device.name} ({device.source}):",
-             f"  {'recipe':<14}{'step s':>9}  " + "  ".join(f"{n:>12.12}" for n in names)]
+             f"  {'recipe':<23}{'step s':>9}  " + "  ".join(f"{n:>12.12}" for n in names)]
     for e in estimates.values():
-        lines.append(f"  {e.recipe:<14}{e.seconds:>9.4f}  " + "  ".join(f"{e.terms[n]:>12.4f}" for n in names))
-    fp8, nvfp4 = estimates["fp8"].seconds, estimates["nvfp4"]
+        lines.append(f"  {e.recipe:<23}{e.seconds:>9.4f}  " + "  ".join(f"{e.terms[n]:>12.4f}" for n in names))
+    fp8, nvfp4 = estimates["te_fp8_delayedscaling"].seconds, estimates["te_nvfp4"]
     band = ""
     if nvfp4.band and device.fp4:
         lo, hi = FP4_GEMM_EFFICIENCY_BOUNDS

@@ -28,7 +28,7 @@ def _estimates(model, device, gpus, batch=4, seq=8192):
 def test_reproduces_the_published_speedups_within_9_percent(model, device, published, gpus):
     # The README's figure: every row's point projection within 9% (they are 2.5-8.3% low).
     e = _estimates(model, device, gpus)
-    speedup = e["fp8"].seconds / e["nvfp4"].seconds
+    speedup = e["te_fp8_delayedscaling"].seconds / e["te_nvfp4"].seconds
     assert -0.09 < speedup / published - 1 < 0.0, (model, device, speedup, published)
 
 
@@ -36,18 +36,18 @@ def test_the_fp4_efficiency_band_moves_the_four_speedups_by_minus_15_to_plus_5_p
     offsets = []
     for model, device, published, gpus in PUBLISHED:
         e = _estimates(model, device, gpus)
-        slow, fast = e["nvfp4"].band
-        assert slow > e["nvfp4"].seconds > fast  # the point lies inside its band
+        slow, fast = e["te_nvfp4"].band
+        assert slow > e["te_nvfp4"].seconds > fast  # the point lies inside its band
         # The band is the projection at the bounds, and only the MLP GEMMs move with it.
         lo = project(load_config([f"model_name={model}"]).model, DEVICES[device], per_device_batch=4, seq_len=8192,
                      num_devices=gpus, fp4_gemm_efficiency=FP4_GEMM_EFFICIENCY_BOUNDS[0])
-        assert lo["nvfp4"].seconds == pytest.approx(slow) and lo["fp8"].seconds == pytest.approx(e["fp8"].seconds)
-        assert lo["nvfp4"].terms["MLP GEMMs"] == pytest.approx(
-            e["nvfp4"].terms["MLP GEMMs"] * GEMM_EFFICIENCY / FP4_GEMM_EFFICIENCY_BOUNDS[0])
-        offsets += [e["fp8"].seconds / slow / published - 1, e["fp8"].seconds / fast / published - 1]
+        assert lo["te_nvfp4"].seconds == pytest.approx(slow) and lo["te_fp8_delayedscaling"].seconds == pytest.approx(e["te_fp8_delayedscaling"].seconds)
+        assert lo["te_nvfp4"].terms["MLP GEMMs"] == pytest.approx(
+            e["te_nvfp4"].terms["MLP GEMMs"] * GEMM_EFFICIENCY / FP4_GEMM_EFFICIENCY_BOUNDS[0])
+        offsets += [e["te_fp8_delayedscaling"].seconds / slow / published - 1, e["te_fp8_delayedscaling"].seconds / fast / published - 1]
     assert -0.15 < min(offsets) < -0.14 and 0.04 < max(offsets) < 0.05
     # Without FP4 tensor cores the efficiency of FP4 GEMMs does not enter: the band is a point.
-    h = _estimates("llama3-8b", "h200", 8)["nvfp4"]
+    h = _estimates("llama3-8b", "h200", 8)["te_nvfp4"]
     assert h.band == pytest.approx((h.seconds, h.seconds))
 
 
@@ -57,20 +57,20 @@ def test_terms_are_consistent():
     for est in e.values():
         assert est.seconds == pytest.approx(sum(est.terms.values()))
     # Only the MLP GEMMs and the quantizers differ between recipes; FP4 halves FP8's GEMM time.
-    assert e["fp8"].terms["MLP GEMMs"] == pytest.approx(2 * e["nvfp4"].terms["MLP GEMMs"])
-    assert e["bf16"].terms["MLP GEMMs"] == pytest.approx(2 * e["fp8"].terms["MLP GEMMs"])
-    assert e["bf16"].terms["quantization"] == 0 < e["nvfp4_no_rht"].terms["quantization"] < e["nvfp4"].terms["quantization"]
+    assert e["te_fp8_delayedscaling"].terms["MLP GEMMs"] == pytest.approx(2 * e["te_nvfp4"].terms["MLP GEMMs"])
+    assert e["bf16"].terms["MLP GEMMs"] == pytest.approx(2 * e["te_fp8_delayedscaling"].terms["MLP GEMMs"])
+    assert e["bf16"].terms["quantization"] == 0 < e["te_nvfp4_no_rht"].terms["quantization"] < e["te_nvfp4"].terms["quantization"]
     for name in ("attention projections", "attention core", "LM head", "elementwise"):
         assert len({est.terms[name] for est in e.values()}) == 1
     # GB300 differs from GB200 only in its FP4 rate.
     e300 = _estimates("llama3-8b", "gb300", 8)
-    assert e300["fp8"].seconds == pytest.approx(e["fp8"].seconds) and e300["nvfp4"].seconds < e["nvfp4"].seconds
+    assert e300["te_fp8_delayedscaling"].seconds == pytest.approx(e["te_fp8_delayedscaling"].seconds) and e300["te_nvfp4"].seconds < e["te_nvfp4"].seconds
 
 
 def test_hopper_runs_nvfp4_at_the_bf16_rate():
     e = _estimates("llama3-8b", "h200", 8)
-    assert e["nvfp4"].terms["MLP GEMMs"] == pytest.approx(e["bf16"].terms["MLP GEMMs"])
-    assert e["nvfp4"].seconds > e["bf16"].seconds
+    assert e["te_nvfp4"].terms["MLP GEMMs"] == pytest.approx(e["bf16"].terms["MLP GEMMs"])
+    assert e["te_nvfp4"].seconds > e["bf16"].seconds
 
 
 def test_plan_prints_the_projection():
