@@ -12,6 +12,7 @@ Both are also given per question type (`vqa_accuracy_by_type`, `vqa_chance_by_ty
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Sequence
 
 import jax
@@ -40,9 +41,12 @@ def exact_match(generated: np.ndarray, answer: str) -> bool:
     return len(generated) >= len(reference) and np.array_equal(generated[:len(reference)], reference)
 
 
+@functools.lru_cache(maxsize=8)
 def _decoder(model, steps: int):
     """jit: (variables, tokens_BxL, lengths_B, images, key) -> tokens with `steps` greedy bytes
-    written from each row's `lengths` on."""
+    written from each row's `lengths` on. One per (model, steps): the federated server scores
+    every round with the same model (Flax modules compare and hash by their fields), so it
+    compiles the decoder once, not once a round."""
 
     def decode(variables, tokens_BxL, lengths_B, images_BxSxSxC, key):
         rows = jnp.arange(tokens_BxL.shape[0])

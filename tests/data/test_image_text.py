@@ -122,3 +122,16 @@ def test_an_answer_is_right_only_when_its_bytes_and_its_end_match():
     assert exact_match(np.frombuffer(b"7\nxx", np.uint8).astype(np.int32), "7")
     assert not exact_match(np.frombuffer(b"77\n", np.uint8).astype(np.int32), "7")
     assert not exact_match(np.frombuffer(b"7", np.uint8).astype(np.int32), "7")
+
+
+def test_the_greedy_decoder_is_compiled_once_per_model_and_answer_length():
+    """The federated server scores VQA every round with the same model: each round must reuse the
+    jitted decoder (an equal model built again included), not trace and compile a new one."""
+    from nvfp4_jax.train import vqa
+    from nvfp4_jax.train.build import build_model
+
+    m = make_config({"model_type": "vlm", "model_name": "tiny", "dataset_type": "digits",
+                     "quantization": "te_nvfp4"}).model
+    first = vqa._decoder(build_model(m), 4)
+    assert vqa._decoder(build_model(m), 4) is first  # the next round's model
+    assert vqa._decoder(build_model(m), 5) is not first
