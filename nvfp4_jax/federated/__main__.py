@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.export:
         where = job_lib.export(spec, os.path.abspath(args.export))
         print(f"[federated] FLARE job folder written to {where} (see docs/federated.md to run it on real sites)")
+        if files.backbone is not None:
+            print(f"[federated] backbone written to {os.path.join(os.path.dirname(where), job_lib.EXPORTED_BACKBONE)}: "
+                  f"copy it into the server's and every site's workspace", flush=True)
         return Exit.OK
     p = spec.policy
     print(f"[federated] {len(spec.sites)} sites x {spec.rounds} rounds, budget={p.name} "
@@ -388,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     ended = _ended(spec.output_dir)
     if ended:
         return fail(ended, Exit.SITES_FAILED)
+    done = len(_rounds(spec.output_dir)) - 1  # the first record is the initial model's
+    if done < spec.rounds:
+        # FLARE's simulator returns normally when it aborts a job (a fatal system error at the
+        # server or a site): without this check the job would pass for finished.
+        return fail(f"FLARE stopped the job after round {max(done, 0)} of {spec.rounds}"
+                    + "".join(f": {line}" for line in _fatal_lines(workspace)[:1])
+                    + f" (FLARE's logs: {workspace})", Exit.INTERNAL)
     return Exit.OK
 
 
@@ -427,6 +437,19 @@ def _rounds(output_dir: str) -> list[dict]:
             return list(json.load(f)["rounds"])
     except (OSError, ValueError, KeyError):
         return []
+
+
+def _fatal_lines(workspace: str) -> list[str]:
+    """The error lines FLARE's server and sites logged (`error_log.txt`), the server's first,
+    each without its logger prefix."""
+    lines = []
+    for name in sorted(os.listdir(workspace) if os.path.isdir(workspace) else [], key=lambda n: n != "server"):
+        try:
+            with open(os.path.join(workspace, name, "error_log.txt"), errors="replace") as f:
+                lines += [line.rstrip().rsplit("] - ", 1)[-1] for line in f if " - ERROR - " in line]
+        except OSError:
+            continue
+    return lines
 
 
 def _ended(output_dir: str) -> str | None:

@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 
 from nvfp4_jax.federated import budget as budget_lib
 from nvfp4_jax.federated import contract as contract_lib
@@ -98,10 +99,9 @@ def build_job(spec: FederatedSpec):
     ))
     if spec.stream_tensors:
         # optional dependency (NVFLARE)
-        from nvflare.app_opt.tensor_stream.client import TensorClientStreamer
-        from nvflare.app_opt.tensor_stream.server import TensorServerStreamer
+        from nvfp4_jax.federated.streaming import PatientTensorClientStreamer, PatientTensorServerStreamer
 
-        job.to_server(TensorServerStreamer(format="numpy"), id="tensor_server_streamer")
+        job.to_server(PatientTensorServerStreamer(format="numpy"), id="tensor_server_streamer")
     for site in spec.sites:
         job.to(ScriptRunner(script=_client_script(), script_args=_script_args(site),
                             framework=FrameworkType.NUMPY), site.name)
@@ -114,7 +114,7 @@ def build_job(spec: FederatedSpec):
 
             job.to(result_filter, site.name, filter_type=FilterType.TASK_RESULT)
         if spec.stream_tensors:
-            job.to(TensorClientStreamer(format="numpy"), site.name, id="tensor_client_streamer")
+            job.to(PatientTensorClientStreamer(format="numpy"), site.name, id="tensor_client_streamer")
     return job
 
 
@@ -122,11 +122,20 @@ def simulate(spec: FederatedSpec, workspace: str, log_config: str = "concise") -
     build_job(spec).simulator_run(workspace, threads=len(spec.sites), log_config=log_config)
 
 
+# An exported job's backbone (`--backbone`), as each participant finds it: relative to the
+# working directory FLARE runs its processes in, the participant's workspace.
+EXPORTED_BACKBONE = "nvfp4_jax_backbone"
+
+
 def portable(spec: FederatedSpec) -> FederatedSpec:
     """The job as real sites run it: no path of the exporting machine. Each site reads its data
-    path from its own site-local setting (`client.site_data_path`), and the server writes to
-    `output_dir` relative to its run directory (`server.server_output_dir`): the run's name."""
+    path from its own site-local setting (`client.site_data_path`), the server writes to
+    `output_dir` relative to its run directory (`server.server_output_dir`): the run's name, and
+    a backbone the exporting machine wrote (`load_parameters_path`, absolute) is read from
+    EXPORTED_BACKBONE in each participant's workspace."""
     run_config = {k: v for k, v in spec.run_config.items() if k != "base_output_directory"}
+    if os.path.isabs(str(run_config.get("load_parameters_path") or "")):
+        run_config["load_parameters_path"] = EXPORTED_BACKBONE
     return dataclasses.replace(
         spec, run_config=run_config, sites=tuple(dataclasses.replace(s, data_path="") for s in spec.sites),
         output_dir=os.path.basename(os.path.normpath(spec.output_dir)) if spec.output_dir else "")
@@ -134,7 +143,17 @@ def portable(spec: FederatedSpec) -> FederatedSpec:
 
 def export(spec: FederatedSpec, directory: str) -> str:
     """Writes the job folder for real sites (`portable`). Its client configs name the site script
-    by its name in the app's `custom` folder (where FLARE copies it), not by this machine's path."""
+    by its name in the app's `custom` folder (where FLARE copies it), not by this machine's path.
+    A backbone goes beside the job folder, `directory`/EXPORTED_BACKBONE, for the participants'
+    admins to copy into their workspaces (it is not sent with the job: every site holds it)."""
+    backbone = str(spec.run_config.get("load_parameters_path") or "")
+    if os.path.isabs(backbone):
+        target = os.path.join(directory, EXPORTED_BACKBONE)
+        for stale in (target, target + ".partial"):
+            if os.path.exists(stale):
+                shutil.rmtree(stale)
+        shutil.copytree(backbone, target + ".partial")
+        os.replace(target + ".partial", target)  # never half a backbone under the final name
     spec = portable(spec)
     build_job(spec).export_job(directory)
     folder = os.path.join(directory, spec.name)

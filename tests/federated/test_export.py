@@ -1,6 +1,7 @@
 """An exported job is portable: it names no path of the exporting machine, each site reads its
 data from its own site-local setting, and the server writes inside its own run directory."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -80,3 +81,25 @@ def test_a_site_reads_its_data_from_its_site_local_setting(tmp_path):
     (workspace / SITE_SETTINGS).write_text(json.dumps({"data_path": "missing.txt"}))
     with pytest.raises(ValueError, match="nvfp4_jax_site.json"):
         site_data_path("", {}, str(workspace))
+
+
+def test_an_exported_backbone_lies_beside_the_job_and_each_participant_reads_it_from_its_workspace(tmp_path):
+    from nvfp4_jax.federated import job as job_lib
+
+    spec, _ = _export(tmp_path)
+    backbone = tmp_path / "out" / "federated" / "backbone"  # what --backbone writes before the job
+    backbone.mkdir(parents=True)
+    (backbone / "params.npz").write_bytes(b"weights")
+    (backbone / "meta.json").write_text("{}")
+    (tmp_path / "jobs" / f"{job_lib.EXPORTED_BACKBONE}.partial").mkdir(parents=True)  # an earlier crash's
+    spec = dataclasses.replace(spec, run_config={**spec.run_config, "load_parameters_path": str(backbone)})
+    where = job_lib.export(spec, str(tmp_path / "jobs"))
+    copied = tmp_path / "jobs" / job_lib.EXPORTED_BACKBONE
+    assert sorted(os.listdir(tmp_path / "jobs")) == sorted([spec.name, job_lib.EXPORTED_BACKBONE])
+    assert (copied / "params.npz").read_bytes() == b"weights" and (copied / "meta.json").read_text() == "{}"
+    configs = [os.path.join(d, f) for d, _, names in os.walk(where) for f in names if f.endswith(".json")]
+    for path in configs:
+        assert str(tmp_path) not in open(path).read(), path
+    server = json.load(open(os.path.join(where, "app_server", "config", "config_fed_server.json")))
+    (workflow,) = [w for w in server["workflows"] if w["path"].endswith("BudgetedFedAvg")]
+    assert workflow["args"]["run_config"]["load_parameters_path"] == job_lib.EXPORTED_BACKBONE

@@ -17,10 +17,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = ["base_num_decoder_layers=1", "max_target_length=32", "per_device_batch_size=1", "eval_steps=1"]
 
 
-def _run(tmp_path, *args, env=None):
-    proc = subprocess.run(
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flare_faults")  # sitecustomize.py
+
+
+def _job(tmp_path, *args, env=None):
+    return subprocess.run(
         [sys.executable, "-m", "nvfp4_jax.federated", *args, *SMALL, f"base_output_directory={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+
+
+def _run(tmp_path, *args, env=None):
+    proc = _job(tmp_path, *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "federated" / "federated.json") as f:
         return proc.stdout, json.load(f)
@@ -83,14 +90,29 @@ def test_a_site_that_crashes_mid_round_does_not_corrupt_the_global_model(tmp_pat
 
 
 def test_tensor_streaming_and_disk_offloaded_aggregation(tmp_path):
+    # Every streamed model reaches its consumer 6 s late, as on a loaded machine: FLARE's own 5 s
+    # rendezvous would abort the job after round 0 (streaming.py waits longer).
     out, result = _run(tmp_path, "--sites", "2", "--rounds", "1", "--budget", "equal",
-                       "--stream-tensors", "--disk-offload")
+                       "--stream-tensors", "--disk-offload",
+                       env={"PYTHONPATH": os.pathsep.join([FAULTS, ROOT]), "NVFP4_JAX_TEST_TENSOR_FAULT": "late"})
     assert [r["round"] for r in result["rounds"]] == [0, 1]
     assert result["rounds"][1]["validation_loss"] < result["rounds"][0]["validation_loss"]
     # The server summed the round's updates in model-sized files on disk, and removed them.
     assert result["aggregation"] == "disk"
     assert result["rounds"][1]["aggregation_disk_bytes"] == result["rounds"][1]["full_model_bytes"] > 0
     assert os.listdir(tmp_path / "federated" / ".aggregation") == []
+
+
+def test_a_job_that_flare_aborts_fails_with_the_fatal_error_not_as_finished(tmp_path):
+    # FLARE's simulator returns normally from an aborted job; the command must not report success.
+    proc = _job(tmp_path, "--sites", "2", "--rounds", "1", "--budget", "equal", "--stream-tensors",
+                env={"PYTHONPATH": os.pathsep.join([FAULTS, ROOT]), "NVFP4_JAX_TEST_TENSOR_FAULT": "lost"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(error) == 1 and "FLARE stopped the job after round 0 of 1" in error[0], proc.stderr[-3000:]
+    assert "No tensors received from peer" in error[0]
+    with open(tmp_path / "federated" / "federated.json") as f:
+        assert [r["round"] for r in json.load(f)["rounds"]] == [0]
 
 
 def test_gaussian_privacy_is_accounted_per_site_every_round(tmp_path):
