@@ -209,6 +209,21 @@ def test_two_sites_train_adapters_of_a_central_backbone_and_the_server_scores_vq
         assert r["bytes_sent"] == 2 * adapter_bytes
         assert r["bytes_sent"] / (2 * full_bytes) < 0.2
 
+    # --trainable projector: the adapters and the projector train and travel, the rest stays the
+    # backbone's bit for bit.
+    _python("nvfp4_jax.federated", RECIPE, "--sites", "2", "--rounds", "1", "--update", "adapters",
+            "--trainable", "projector", "lora_rank=8", "--backbone", str(tmp_path / "backbone"),
+            "--samples-per-round", "32", *SMALL, f"base_output_directory={tmp_path / 'projector'}")
+    with open(tmp_path / "projector" / "federated" / "federated.json") as f:
+        (_, last) = json.load(f)["rounds"]
+    model = np.load(tmp_path / "projector" / "federated" / "global_model.npz")
+    projector = [k for k in backbone if k.startswith("projector/")]
+    assert projector and all(not np.array_equal(model[k], backbone[k]) for k in projector)
+    for name in set(backbone) - set(projector):
+        np.testing.assert_array_equal(model[name], backbone[name], err_msg=name)
+    moved = sum(model[k].nbytes for k in adapters + projector)
+    assert last["downlink_bytes_per_site"] == moved and last["bytes_sent"] == 2 * moved
+
 
 def test_a_vlm_site_reads_its_data_as_image_text_and_the_round_line_shows_the_vqa():
     pytest.importorskip("nvflare")
