@@ -24,8 +24,9 @@ to <run dir>/shares.json after every period, beside the state it resumes from.
                        split and smoothed costs (the losses go on exactly as without the stop)
   --debug              the traceback above an error line
 
-Not done: several devices per process, quantized runs (a share's microbatches share one
-stochastic-rounding key), one GPU per process (the workers see the same devices).
+Quantized runs (te_nvfp4, FP8 current scaling) key each microbatch's stochastic rounding by its
+position in the global batch (`shares.microbatch_key`); delayed-scaling FP8 is refused. Not done:
+several devices per process, one GPU per process (the workers see the same devices).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import sys
 from nvfp4_jax.cli import CommandParser, Exit, debug_requested, fail, parse_command
 from nvfp4_jax.config import ConfigError, load_config
 from nvfp4_jax.federated.budget import POLICIES
+from nvfp4_jax.quant.recipe import get_recipe
 
 SHARES_LOG = "shares.json"
 
@@ -78,6 +80,13 @@ def check(args) -> tuple[object, list[float], int]:
     if len(slowdown) != args.processes or not all(f >= 1.0 for f in slowdown):
         raise ConfigError(f"--slowdown={args.slowdown!r} must be {args.processes} factors (one per worker), each >= 1")
     cfg = load_config(args.config)
+    delayed = [(key, flag) for key, flag in (("quantization", cfg.model.quantization),
+                                              ("vision_quantization", cfg.model.vision_quantization))
+               if flag and get_recipe(flag).fp8_delayed]
+    if delayed:
+        key, flag = delayed[0]
+        raise ConfigError(f"{key}={flag}: delayed scaling keeps amax histories that the shares step does not "
+                          f"update or combine across workers; use te_fp8_currentscaling, te_nvfp4 or bf16")
     rows = cfg.train.per_device_batch_size
     shown = int(rows) if rows == int(rows) else rows
     if rows != int(rows) or int(rows) % args.microbatch:

@@ -10,6 +10,12 @@ mean of the workers' mean gradients is wrong as soon as the shares differ.
 The shares are re-split by the controller the federated budgets use (`budget.allocate`, with the
 quantum one microbatch and each worker's EMA-smoothed measured per-sample time): `split_shares`.
 
+Quantized runs: every microbatch has its own stochastic-rounding key, a function of the step and
+its position in the global batch (`microbatch_key`), so any split computes each microbatch's
+gradient bit for bit as any other split does, and the rounding noise differs between
+microbatches. Delayed-scaling FP8 is refused (`ddp.check`): its amax histories are state the
+train step updates, which a shares step does not carry or combine across workers.
+
 `train_shares` is the multi-process driver (one process per worker on `jax.distributed`; `gather_combine`
 adds the sums over processes); see docs/scaling.md for what is not done.
 """
@@ -50,14 +56,24 @@ def share_grad_fn(model):
     return jax.jit(jax.value_and_grad(summed_loss, has_aux=True))
 
 
-def share_sums(model, state, microbatches: Sequence[dict], *, grad_fn=None):
+def microbatch_key(state, index: int) -> jax.Array:
+    """The stochastic-rounding key of the step's microbatch `index` (its position in the global
+    batch): the step's key folded with the index. Its random bits are a function of the step
+    and the microbatch alone, never of which worker trains it, and two microbatches never share
+    them (one key for all would repeat the same rounding noise in every microbatch, so that
+    averaging K of them would not average the noise out)."""
+    return jax.random.fold_in(state.sr_key(), index)
+
+
+def share_sums(model, state, microbatches: Sequence[dict], *, first_index: int = 0, grad_fn=None):
     """(sum of per-token loss gradients, sum of per-token losses, token count) over one worker's
-    microbatches, with the model's own loss (the eval step's, keyed as the train step's).
-    `grad_fn`: `share_grad_fn(model)`, when the caller keeps one across steps."""
+    microbatches, with the model's own loss (the eval step's), microbatch j keyed by
+    `microbatch_key(state, first_index + j)`: `first_index` is the worker's first microbatch's
+    position in the global batch. `grad_fn`: `share_grad_fn(model)`, when the caller keeps one."""
     grad_fn = grad_fn or share_grad_fn(model)
-    keyed = state.replace(rng=state.sr_key())
     grads = loss_sum = count = None
-    for batch in microbatches:
+    for j, batch in enumerate(microbatches):
+        keyed = state.replace(rng=microbatch_key(state, first_index + j))
         (loss, n), g = grad_fn(state.params, keyed, batch)
         if grads is None:
             grads, loss_sum, count = g, loss, n
@@ -147,7 +163,7 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
     # compilation (which `slowdown` would stretch too); then every process starts together.
     first_batch = data.batch(0)
     warm_up = {k: v[:microbatch] for k, v in first_batch.items()}
-    jax.block_until_ready(grad_fn(state.params, state.replace(rng=state.sr_key()), warm_up))
+    jax.block_until_ready(grad_fn(state.params, state.replace(rng=microbatch_key(state, 0)), warm_up))
     multihost_utils.sync_global_devices("nvfp4_jax: shares compiled")
 
     first_step = resume.step if resume else 0
@@ -161,7 +177,7 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
         micro = [{k: v[(first + j) * microbatch:(first + j + 1) * microbatch] for k, v in batch.items()}
                  for j in range(split[me])]
         start = time.perf_counter()
-        part = jax.block_until_ready(share_sums(run.model, state, micro, grad_fn=grad_fn))
+        part = jax.block_until_ready(share_sums(run.model, state, micro, first_index=first, grad_fn=grad_fn))
         compute = time.perf_counter() - start
         stretch = slowdown if step >= slowdown_from else 1.0
         if stretch > 1.0:

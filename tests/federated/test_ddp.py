@@ -37,6 +37,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and message in err, err
 
 
+@pytest.mark.parametrize("flag", ["quantization=te_fp8_delayedscaling", "vision_quantization=te_fp8_delayedscaling"])
+def test_delayed_scaling_fp8_is_refused_in_one_line(tmp_path, capsys, flag):
+    # Its amax histories are train-step state that a shares step neither updates nor combines.
+    assert ddp.main(["--processes", "2", *FP32, flag, f"base_output_directory={tmp_path}"]) == Exit.BAD_INPUT
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {flag}: delayed scaling"), err
+
+
 def test_the_equal_split_gives_every_worker_at_least_one_and_adds_up():
     assert ddp.equal_split(8, 2) == [4, 4]
     assert ddp.equal_split(7, 3) == [3, 2, 2]
@@ -84,9 +92,9 @@ def test_a_period_record_holds_each_workers_idle_time_at_the_barrier():
     assert record["idle_s"] == [1.5, 0.5] and record["trained_with"] == [4, 4] and record["microbatches"] == [5, 3]
 
 
-def _ddp(tmp_path, name, *args):
+def _ddp(tmp_path, name, *args, config=FP32):
     out = subprocess.run(
-        [sys.executable, "-m", "nvfp4_jax.federated.ddp", "--processes", "2", "--period", "2", *args, *FP32,
+        [sys.executable, "-m", "nvfp4_jax.federated.ddp", "--processes", "2", "--period", "2", *args, *config,
          f"base_output_directory={tmp_path}", f"run_name={name}"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
                            XLA_FLAGS="--xla_force_host_platform_device_count=1"),
@@ -112,3 +120,14 @@ def test_adaptive_shares_stopped_and_resumed_train_the_same_losses_as_an_equal_s
     # Any split trains the global batch's token-weighted mean gradient: the same losses (fp32).
     np.testing.assert_allclose(resumed["losses"], equal["losses"], rtol=1e-6)
     assert len(resumed["losses"]) == 4 and resumed["makespan_s"] > first["makespan_s"]
+
+
+@pytest.mark.slow  # two 2-process runs on CPU: about two minutes
+def test_nvfp4_shares_train_the_same_losses_whatever_the_split(tmp_path):
+    # Stochastic rounding draws from each microbatch's own key (its position in the
+    # global batch), so a worker's share changes which process computes a microbatch, not its bits.
+    nvfp4 = [a if not a.startswith("quantization=") else "quantization=te_nvfp4" for a in FP32]
+    equal, _ = _ddp(tmp_path, "equal", "--policy", "equal", "--steps", "4", config=nvfp4)
+    adaptive, _ = _ddp(tmp_path, "adaptive", "--policy", "adaptive", "--slowdown", "4,1", "--steps", "4", config=nvfp4)
+    assert adaptive["periods"][0]["microbatches"][0] < 4  # the split moved
+    np.testing.assert_allclose(adaptive["losses"], equal["losses"], rtol=1e-6)

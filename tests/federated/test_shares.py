@@ -49,6 +49,26 @@ def test_unequal_shares_combined_token_weighted_are_the_whole_batch_gradient():
     assert _rel(wrong, whole) > 1e-3
 
 
+@pytest.mark.slow  # 10-15 s on CPU: the tiny model's NVFP4 gradient on a few microbatches
+def test_nvfp4_microbatches_round_with_keys_of_their_position_not_of_their_worker():
+    cfg = [a if not a.startswith("quantization=") else "quantization=te_nvfp4" for a in FP32]
+    run = assembly.assemble(load_config(cfg), jax.devices()[:1])
+    state = run.init_state()
+    batch = run.dataset("train").batch(0)
+    micro = [{k: v[i * M:(i + 1) * M] for k, v in batch.items()} for i in range(4)]
+    grad_fn = shares.share_grad_fn(run.model)
+    # Shares 3:1 give the one-worker gradient: each microbatch rounds the same wherever it runs.
+    one = shares.combine([shares.share_sums(run.model, state, micro, grad_fn=grad_fn)])
+    two = shares.combine([shares.share_sums(run.model, state, micro[:3], grad_fn=grad_fn),
+                          shares.share_sums(run.model, state, micro[3:], first_index=3, grad_fn=grad_fn)])
+    assert _rel(two[0], one[0]) < 1e-6 and float(two[1]) == pytest.approx(float(one[1]), rel=1e-6)
+    # The same rows at another position round with other random bits (one key for every
+    # microbatch would repeat the same noise K times); at the same position, with the same bits.
+    at = [shares.share_sums(run.model, state, micro[:1], first_index=i, grad_fn=grad_fn)[0] for i in (0, 1, 1)]
+    assert _rel(at[1], at[2]) == 0.0
+    assert _rel(at[0], at[1]) > 1e-3
+
+
 def test_controller_moves_shares_away_from_a_slow_worker_and_never_drops_one():
     policy = BudgetPolicy(name="adaptive", total_samples=4, quantum=1, ema=0.5, deadband=0.05)
     costs, split = [SiteCost(), SiteCost()], [2, 2]
