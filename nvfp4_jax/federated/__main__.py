@@ -347,15 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return Exit.OK
+    if importlib.util.find_spec("nvflare") is None:  # before build_spec: the privacy filters import it
+        return fail("federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'")
     try:
         spec, args, files = build_spec(argv)
         _write_site_files(files, len(spec.sites))
     except ConfigError as exc:
         return fail(exc, debug=debug)
-    try:
-        import nvflare  # noqa: F401
-    except ImportError:
-        return fail("federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'")
     # job needs NVFLARE (optional), checked just above
     from nvfp4_jax.federated import job as job_lib
 

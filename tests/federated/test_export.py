@@ -103,3 +103,15 @@ def test_an_exported_backbone_lies_beside_the_job_and_each_participant_reads_it_
     server = json.load(open(os.path.join(where, "app_server", "config", "config_fed_server.json")))
     (workflow,) = [w for w in server["workflows"] if w["path"].endswith("BudgetedFedAvg")]
     assert workflow["args"]["run_config"]["load_parameters_path"] == job_lib.EXPORTED_BACKBONE
+
+
+def test_without_flare_the_command_is_one_error_line_not_a_traceback(monkeypatch, capsys):
+    import importlib.util
+
+    from nvfp4_jax.federated.__main__ import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nvflare" else find_spec(name, *a))
+    assert main(["--sites", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'\n"
