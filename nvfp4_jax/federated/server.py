@@ -294,8 +294,10 @@ class BudgetedFedAvg(FedAvg):
 
     def _account(self, model) -> dict:
         """Every site's privacy record after this round; a site that sent nothing is charged as
-        if it had sent the whole model (an upper bound)."""
-        model_values = sum(int(np.size(v)) for v in model.params.values())
+        if it had sent all it could have (an upper bound): the whole model, or under a frozen
+        backbone (`subset`, `adapters`) the trained leaves, which alone ever leave a site."""
+        most = self._sent_model(model).params  # what a site receives is what it can send back
+        model_values = sum(int(np.size(v)) for v in most.values())
         self._privacy = {
             site: accounting.account_round(self.site_privacy.get(site, {"filter": "none"}), self.dp_delta,
                                            self._privacy.get(site), self._values_sent.get(site, model_values))
