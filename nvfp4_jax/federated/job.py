@@ -75,7 +75,7 @@ def build_job(spec: FederatedSpec):
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import ScriptRunner
 
-    from nvfp4_jax.federated.server import BudgetedFedAvg
+    from nvfp4_jax.federated.server import TRAIN_TASK, BudgetedFedAvg
 
     job = FedJob(name=spec.name, min_clients=spec.min_responses or len(spec.sites))
     # The server and the sites run the installed package: FLARE copies none of it into the job's
@@ -112,7 +112,9 @@ def build_job(spec: FederatedSpec):
             # optional dependency (NVFLARE)
             from nvflare.job_config.defs import FilterType
 
-            job.to(result_filter, site.name, filter_type=FilterType.TASK_RESULT)
+            # Named tasks, not FLARE's default ["*"]: FLARE 2.9's runner looks filters up by the
+            # task's own name, so a "*" chain is configured and never applied.
+            job.to(result_filter, site.name, filter_type=FilterType.TASK_RESULT, tasks=[TRAIN_TASK])
         if spec.stream_tensors:
             job.to(PatientTensorClientStreamer(format="numpy"), site.name, id="tensor_client_streamer")
     return job

@@ -7,7 +7,7 @@
 | `svt` | FLARE `SVTPrivacy(fraction, epsilon, ...)` | the sparse vector technique: a noisy selection of a `fraction` of coordinates, released with Laplace noise; differential privacy per round for the stated `epsilon` | noise in every released coordinate; most coordinates not sent |
 | `gaussian` | `GaussianPrivacy(clip_norm, noise_multiplier)` (ours, a FLARE `DXOFilter`) | the Gaussian mechanism on the whole update: L2 clip to `clip_norm`, plus N(0, (noise_multiplier * clip_norm)^2) per coordinate; bounds any one round's influence (DP-FedAvg style, per site; `accounting.py` reports epsilon over the rounds) | the noise scales with the model size; needs many sites or small noise to converge |
 
-All three act on weight differences, so they need `--update diff` or `subset`, and uncompressed
+All three act on weight differences, so they need `--update diff`, `subset` or `adapters`, and uncompressed
 updates (`--compression none`: compressing after a filter would need a second filter stage).
 `OPTIONS` lists every filter's options with its default and allowed range; a site can have its
 own filter (`--site-privacy`, `parse_site_privacy`).

@@ -43,6 +43,8 @@ from nvfp4_jax.federated import budget as budget_lib
 from nvfp4_jax.federated import contract as contract_lib
 from nvfp4_jax.federated.disk_aggregation import DiskWeightedAggregator
 
+TRAIN_TASK = "train"  # the task every round sends the sites (FLARE's FedAvg names it so)
+
 META_KEY = "nvfp4_jax"
 
 
@@ -153,7 +155,7 @@ class BudgetedFedAvg(FedAvg):
 
     # --- one round ------------------------------------------------------------------------
 
-    def send_model(self, task_name="train", data: FLModel = None, targets=None, min_responses=None,
+    def send_model(self, task_name=TRAIN_TASK, data: FLModel = None, targets=None, min_responses=None,
                    timeout=0, callback=None):
         round_index = len(self._history) - 1  # 0-based: the history starts with the initial model
         costs = [self._costs[s] for s in self.site_names]
