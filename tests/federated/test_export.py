@@ -115,3 +115,35 @@ def test_without_flare_the_command_is_one_error_line_not_a_traceback(monkeypatch
     assert main(["--sites", "2"]) == 2
     err = capsys.readouterr().err
     assert err == "error: federated training needs NVIDIA FLARE: pip install 'nvfp4_jax[federated]'\n"
+
+
+def test_every_sites_privacy_filter_is_found_for_the_task_the_server_sends(tmp_path):
+    """FLARE 2.9's client runner looks its result filters up by the task's own name
+    (`task_utils.get_filters`): a chain for FLARE's default task list `["*"]` is written into the
+    job and never applied (the sites sent unclipped, unnoised updates while epsilon was reported).
+    Each site's configured chain, resolved as the runtime resolves it, gives its filter for the
+    round's task."""
+    from nvflare.apis.fl_constant import FilterKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.utils.task_utils import get_filters
+    from nvflare.private.fed_json_config import FedJsonConfigurator, FilterChain
+
+    from nvfp4_jax.federated import job as job_lib
+    from nvfp4_jax.federated.__main__ import build_spec
+    from nvfp4_jax.federated.server import TRAIN_TASK
+
+    spec, _, _ = build_spec(["--sites", "2", "--privacy", "gaussian", "--noise-multiplier", "1",
+                             "--site-privacy", "site-2=svt", f"base_output_directory={tmp_path / 'out'}"])
+    where = job_lib.export(spec, str(tmp_path / "jobs"))
+    want = {"site-1": "nvfp4_jax.federated.privacy.GaussianPrivacy", "site-2": "nvflare.app_common.filters.svt_privacy.SVTPrivacy"}
+    for site, path in want.items():
+        (config,) = [os.path.join(d, f) for d, _, files in os.walk(where) for f in files
+                     if f == "config_fed_client.json" and f"app_{site}" in d]
+        with open(config) as f:
+            chains = json.load(f)["task_result_filters"]
+        table = {}
+        for c in chains:
+            chain = FilterChain("task_result_filters", FilterKey.OUT)
+            chain.tasks, chain.filters = c["tasks"], [fl["path"] for fl in c["filters"]]
+            FedJsonConfigurator._build_filter_table(None, chain, table)
+        assert get_filters("task_result_filters", FLContext(), table, TRAIN_TASK, FilterKey.OUT) == [path], site
