@@ -210,6 +210,38 @@ def stochastic_rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Arra
     return noise[:n].astype(jnp.uint8).reshape(shape)
 
 
+def stochastic_rounding_bits_group(keys, shapes) -> list[jax.Array]:
+    """`[stochastic_rounding_bits(key, shape) for key, shape in zip(keys, shapes)]`, bit for
+    bit, from one threefry call over all the tensors' counters, each with its own key words:
+    the cipher appears once in the program rather than once per tensor."""
+    if len(keys) == 1:
+        return [stochastic_rounding_bits(keys[0], shapes[0])]
+    sizes = [math.prod(shape) for shape in shapes]
+    groups = [-(-n // SR_GROUP) for n in sizes]
+    for shape, n, g in zip(shapes, sizes, groups):
+        if g > _MAX_SR_GROUPS:
+            raise ValueError(
+                f"shape={shape}: stochastic rounding numbers elements with 32-bit counters of "
+                f"{SR_GROUP}; at most {SR_GROUP * _MAX_SR_GROUPS} elements, got {n}"
+            )
+    words = [sr_key_words(key) for key in keys]
+    counters = jnp.concatenate([jnp.arange(g, dtype=jnp.uint32) for g in groups])
+    # Which tensor each counter belongs to, as a select on the position (fused, not stored).
+    position = jnp.arange(sum(groups), dtype=jnp.int32)
+    k0, k1 = words[-1]
+    start = sum(groups[:-1])
+    for (w0, w1), g in zip(reversed(words[:-1]), reversed(groups[:-1])):
+        start -= g
+        below = position < start + g
+        k0, k1 = jnp.where(below, w0, k0), jnp.where(below, w1, k1)
+    noise = sr_noise_groups(k0, k1, counters).reshape(-1)
+    out, offset = [], 0
+    for shape, n, g in zip(shapes, sizes, groups):
+        out.append(noise[offset:offset + n].astype(jnp.uint8).reshape(shape))
+        offset += g * SR_GROUP
+    return out
+
+
 def round_e2m1_stochastic(y: jax.Array, rbits: jax.Array) -> jax.Array:
     """Hardware-style stochastic rounding of float32 values in [-6, 6] onto the E2M1 grid.
 

@@ -9,6 +9,7 @@ backend's operands, the Pallas kernels' per-tensor factors and the health statis
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar, NamedTuple
 
 import jax
@@ -185,9 +186,10 @@ def operand_blocks(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "quan
     return Blocks(xb, amax_b_bits, amax, nonfinite, lay, spec, tuple(x.shape))
 
 
-def encode_blocks(blocks: Blocks, factors: TensorFactors, key=None) -> BlockCodes:
+def encode_blocks(blocks: Blocks, factors: TensorFactors, key=None, rbits=None) -> BlockCodes:
     """The block quantizer's second half: E4M3 block scales and E2M1 codes of `blocks`, given
-    the per-tensor factors of its amax."""
+    the per-tensor factors of its amax; a stochastic spec rounds with `key`'s noise, or with
+    `rbits` when given (`stochastic_rounding_bits(key, shape)`, drawn by the caller)."""
     lay, nonfinite = blocks.lay, blocks.nonfinite
     scale_bytes = lax.bitcast_convert_type(
         block_scales(F.bits_to_f32(blocks.amax_b_bits), factors.mult, factors.mult_tiny), jnp.uint8
@@ -204,7 +206,9 @@ def encode_blocks(blocks: Blocks, factors: TensorFactors, key=None) -> BlockCode
 
     y = jnp.clip(blocks.xb * enc_b, -F.E2M1_MAX, F.E2M1_MAX)
     if blocks.spec.stochastic:
-        rbits = F.stochastic_rounding_bits(key, blocks.shape).reshape(lay.blocked)
+        if rbits is None:
+            rbits = F.stochastic_rounding_bits(key, blocks.shape)
+        rbits = rbits.reshape(lay.blocked)
         codes = F.e2m1_codes(F.round_e2m1_stochastic(y, rbits))
     else:
         codes = F.e2m1_rn_codes(y)
@@ -234,7 +238,12 @@ def quantize_blocks_group(items, *, fn: str = "quantize_blocks_group") -> list[B
     if len(blocks) == 1:
         return [encode_blocks(blocks[0], tensor_factors(blocks[0].amax), items[0][2])]
     factors = tensor_factors(jnp.stack([b.amax for b in blocks]))
-    return [encode_blocks(b, factors.at(i), key) for i, (b, (_, _, key)) in enumerate(zip(blocks, items))]
+    # The stochastic operands' noise from one threefry call (the same bytes as one call each).
+    rounded = [i for i, b in enumerate(blocks) if b.spec.stochastic]
+    noise = dict(zip(rounded, F.stochastic_rounding_bits_group(
+        [items[i][2] for i in rounded], [blocks[i].shape for i in rounded]))) if rounded else {}
+    return [encode_blocks(b, factors.at(i), key, noise.get(i))
+            for i, (b, (_, _, key)) in enumerate(zip(blocks, items))]
 
 
 def _values(q: BlockCodes, shape):
@@ -251,6 +260,13 @@ def gemm_operand(x: jax.Array, spec: OperandSpec, key=None, *, fn: str = "gemm_o
 def gemm_operand_group(items, *, fn: str = "gemm_operand_group"):
     """`[gemm_operand(x, spec, key) for x, spec, key in items]`, bit for bit, the per-tensor
     factors computed together (`quantize_blocks_group`): an `NVFP4Backend`'s `operand_group`."""
+    xs, specs, keys = zip(*items)
+    return _gemm_operand_group(list(xs), list(keys), specs=tuple(specs), fn=fn)
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "fn"))
+def _gemm_operand_group(xs, keys, *, specs, fn):
+    items = list(zip(xs, specs, keys))
     return [(_values(q, x.shape), q.decode)
             for q, (x, _, _) in zip(quantize_blocks_group(items, fn=fn), items)]
 

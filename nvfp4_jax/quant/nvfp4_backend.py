@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from nvfp4_jax.quant.formats import threefry2x32
 from nvfp4_jax.quant.nvfp4 import gemm_operand, gemm_operand_group
 
 # fold_in constants of dY's two stochastically rounded copies (DGRAD, WGRAD).
@@ -41,8 +42,25 @@ SR_WGRAD = 1
 
 
 def sr_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The stochastic-rounding keys of dY's DGRAD copy and WGRAD copy, derived from `key`."""
-    return jax.random.fold_in(key, SR_DGRAD), jax.random.fold_in(key, SR_WGRAD)
+    """The stochastic-rounding keys of dY's DGRAD copy and WGRAD copy, derived from `key`:
+    `fold_in(key, SR_DGRAD), fold_in(key, SR_WGRAD)`, bit for bit.
+
+    For a threefry key (raw uint32[2] or typed) both come from one threefry call on the pair
+    of fold-in counters: `fold_in(key, d)` is `threefry2x32(key, (0, d))`, so the program holds
+    one cipher instead of two (XLA's compile time follows the program's size). Other PRNG
+    implementations fold twice.
+    """
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    impl = jax.random.key_impl(key) if typed else None
+    data = jax.random.key_data(key) if typed else jnp.asarray(key)
+    if (typed and str(impl) != "threefry2x32") or data.shape != (2,) or data.dtype != jnp.uint32:
+        return jax.random.fold_in(key, SR_DGRAD), jax.random.fold_in(key, SR_WGRAD)
+    counters = jnp.array([SR_DGRAD, SR_WGRAD], jnp.uint32)
+    y0, y1 = threefry2x32(data[0], data[1], jnp.zeros_like(counters), counters)
+    pair = jnp.stack([y0, y1], axis=-1)  # row i: the key folded with counters[i]
+    if typed:
+        pair = jax.random.wrap_key_data(pair, impl=impl)
+    return pair[0], pair[1]
 
 
 def emulated_gemm(a, b, dimension_numbers, out_dtype):

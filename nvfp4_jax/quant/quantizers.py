@@ -15,7 +15,7 @@ from nvfp4_jax.quant import fp8_delayed, health
 from nvfp4_jax.quant.fp8 import quantize_fp8
 from nvfp4_jax.quant.mxfp4 import quantize_mxfp4_spec
 from nvfp4_jax.quant.entry import dequantize
-from nvfp4_jax.quant.nvfp4_backend import EMULATED, SR_DGRAD, SR_WGRAD, NVFP4Backend, bf16_gemm
+from nvfp4_jax.quant.nvfp4_backend import EMULATED, SR_DGRAD, SR_WGRAD, NVFP4Backend, bf16_gemm, sr_keys
 from nvfp4_jax.quant.recipe import Recipe, operand_specs, recipe_name
 from nvfp4_jax.quant.spec import OperandSpec
 
@@ -75,7 +75,8 @@ class NVFP4Quantizers(Quantizers):
         return self.backend.operand(x, spec, _sr_key(spec, key))
 
     def quantize_group(self, items, key):
-        return self.backend.group([(x, spec, _sr_key(spec, key)) for spec, x in items])
+        keys = _sr_keys_of([spec for spec, _ in items], key)
+        return self.backend.group([(x, spec, k) for (spec, x), k in zip(items, keys)])
 
     def measure(self, x, spec, key):
         return health.nvfp4_spec_stats(x, spec, _sr_key(spec, key))
@@ -148,6 +149,16 @@ def _amax(x):
 
 
 _SR_FOLD = {"dy": SR_DGRAD, "dy_wgrad": SR_WGRAD}
+
+
+def _sr_keys_of(specs, key) -> list:
+    """`[_sr_key(spec, key) for spec in specs]`, bit for bit, both dY copies' keys from one
+    `sr_keys` call when the group rounds both stochastically."""
+    roles = {spec.role for spec in specs if spec.stochastic}
+    if roles != set(_SR_FOLD):
+        return [_sr_key(spec, key) for spec in specs]
+    by_role = dict(zip(("dy", "dy_wgrad"), sr_keys(key)))
+    return [by_role[spec.role] if spec.stochastic else None for spec in specs]
 
 
 def _sr_key(spec: OperandSpec, key):
