@@ -13,7 +13,7 @@ over all cases (default 2) spread machine load across them, and a case's time is
 The goal: scanned compile time roughly flat in depth, 32 layers within 1.5x of 2.
 Prints a table and writes JSON to `benchmarks/results/compile.json`.
 
-    python benchmarks/bench_compile.py --presets tiny,small-25m [--rounds 2]
+    python benchmarks/bench_compile.py --presets tiny,small-25m [--rounds 2] [--baseline DIR --baseline-revision REV]
 
 The first step of the presets themselves (their own widths and depths, synthetic data), bf16
 against te_nvfp4, scanned and unrolled: set-up (model and state init), lower, compile and first
@@ -65,15 +65,15 @@ def measure(layers: int, scan: bool, recipe: str) -> dict:
                 lower_and_compile_s=round(case.lower_s + case.compile_s, 2), loss=round(case.loss, 4))
 
 
-def _fastest_of_rounds(cases, rounds: int, case_args, key: str, show) -> list[dict]:
-    """Each case measured in a fresh process (`case_args(case)`), once per round (a round runs
+def _fastest_of_rounds(cases, rounds: int, run_case, key: str, show) -> list[dict]:
+    """Each case measured once per round by `run_case(case)` (a fresh process; a round runs
     every case, so machine load spreads over all of them); per case the row with the smallest
     `key`, with every round's value under `key + "s"` ("total_s" -> "totals_s"). `show(round,
     case, row)` prints (and may complete) each row as it comes."""
     runs: dict[tuple, list[dict]] = {case: [] for case in cases}
     for round_ in range(rounds):
         for case in cases:
-            row = in_fresh_process(__file__, case_args(case))
+            row = run_case(case)
             show(round_, case, row)
             runs[case].append(row)
     plural = key[:-2] + "s_s" if key.endswith("_s") else key + "s"
@@ -134,30 +134,45 @@ def presets_main(args) -> dict:
     quantizer = in_fresh_process(__file__, ["--quantizer-case"])
     print(f"jit(quantize_nvfp4) 32x64: {quantizer['quantize_nvfp4_32x64']['total_s']:.2f} s "
           f"(tensor_factors {quantizer['tensor_factors']['total_s']:.2f} s)", flush=True)
-    cases = [(p, layout, r) for p in args.presets.split(",") for layout in args.layouts.split(",")
-             for r in args.recipes.split(",")]
-    print(f"{'round':5s} {'preset':10s} {'layout':9s} {'recipe':9s} {'setup s':>8s} {'lower s':>8s} "
-          f"{'compile s':>9s} {'run s':>7s} {'first step s':>12s}", flush=True)
+    # With --baseline, every case also runs from the baseline tree's own bench_compile.py, in the
+    # same rounds (a round runs every case of both trees), so load hits both alike.
+    head = environment()["package_revision"]
+    trees = {head: __file__}
+    if args.baseline:
+        trees[args.baseline_revision or "baseline"] = str(Path(args.baseline) / "benchmarks" / "bench_compile.py")
+    cases = [(rev, p, layout, r) for p in args.presets.split(",") for layout in args.layouts.split(",")
+             for r in args.recipes.split(",") for rev in trees]
+    print(f"{'round':5s} {'revision':9s} {'preset':10s} {'layout':9s} {'recipe':9s} {'setup s':>8s} "
+          f"{'lower s':>8s} {'compile s':>9s} {'run s':>7s} {'first step s':>12s}", flush=True)
 
     def show(round_, case, row):
-        preset, layout, recipe = case
-        print(f"{round_ + 1:5d} {preset:10s} {layout:9s} {recipe:9s} {row['setup_s']:8.2f} {row['lower_s']:8.2f} "
-              f"{row['compile_s']:9.2f} {row['run_s']:7.3f} {row['first_step_s']:12.2f}", flush=True)
+        rev, preset, layout, recipe = case
+        row["revision"] = rev
+        print(f"{round_ + 1:5d} {rev:9s} {preset:10s} {layout:9s} {recipe:9s} {row['setup_s']:8.2f} "
+              f"{row['lower_s']:8.2f} {row['compile_s']:9.2f} {row['run_s']:7.3f} {row['first_step_s']:12.2f}",
+              flush=True)
 
-    rows = _fastest_of_rounds(cases, args.rounds, lambda c: ["--preset-case", ",".join(c)], "first_step_s", show)
+    def run_case(case):
+        rev, *rest = case
+        return in_fresh_process(trees[rev], ["--preset-case", ",".join(rest)])
+
+    rows = _fastest_of_rounds(cases, args.rounds, run_case, "first_step_s", show)
     ratios = []
-    for preset in args.presets.split(","):
-        for layout in args.layouts.split(","):
-            by = {r["recipe"]: r for r in rows if r["preset"] == preset and r["scan_layers"] == (layout == "scanned")}
-            if {"bf16", "te_nvfp4"} <= by.keys():
-                ratio = by["te_nvfp4"]["first_step_s"] / by["bf16"]["first_step_s"]
-                spread = [t / b for t in by["te_nvfp4"]["first_steps_s"] for b in by["bf16"]["first_steps_s"]]
-                ratios.append(dict(preset=preset, layout=layout, te_nvfp4_over_bf16=round(ratio, 2),
-                                   range_over_rounds=[round(min(spread), 2), round(max(spread), 2)],
-                                   met=ratio <= PRESET_GOAL))
-                print(f"{preset:10s} {layout:9s} te_nvfp4 / bf16 first step = {ratio:.2f}x "
-                      f"(rounds {min(spread):.2f}-{max(spread):.2f}x; goal <= {PRESET_GOAL}x: "
-                      f"{'met' if ratio <= PRESET_GOAL else 'not met'})", flush=True)
+    for rev in trees:
+        for preset in args.presets.split(","):
+            for layout in args.layouts.split(","):
+                by = {r["recipe"]: r for r in rows if r["revision"] == rev and r["preset"] == preset
+                      and r["scan_layers"] == (layout == "scanned")}
+                if {"bf16", "te_nvfp4"} <= by.keys():
+                    ratio = by["te_nvfp4"]["first_step_s"] / by["bf16"]["first_step_s"]
+                    spread = [t / b for t in by["te_nvfp4"]["first_steps_s"] for b in by["bf16"]["first_steps_s"]]
+                    ratios.append(dict(revision=rev, preset=preset, layout=layout,
+                                       te_nvfp4_over_bf16=round(ratio, 2),
+                                       range_over_rounds=[round(min(spread), 2), round(max(spread), 2)],
+                                       met=ratio <= PRESET_GOAL))
+                    print(f"{rev:9s} {preset:10s} {layout:9s} te_nvfp4 / bf16 first step = {ratio:.2f}x "
+                          f"(rounds {min(spread):.2f}-{max(spread):.2f}x; goal <= {PRESET_GOAL}x: "
+                          f"{'met' if ratio <= PRESET_GOAL else 'not met'})", flush=True)
     result = dict(
         command="python " + " ".join([os.path.relpath(__file__, Path.cwd())] + list(args.argv)),
         **environment(),
@@ -178,6 +193,9 @@ def presets_main(args) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", help="compare bf16 and te_nvfp4 first steps of these presets (e.g. tiny,small-25m)")
+    ap.add_argument("--baseline", help="with --presets: also run every case from this tree (another "
+                    "revision, e.g. `git archive REV | tar -x -C DIR`), in the same rounds")
+    ap.add_argument("--baseline-revision", default="", help="the baseline tree's revision, for the results")
     ap.add_argument("--preset-case", help=argparse.SUPPRESS)  # PRESET,LAYOUT,RECIPE: measure here
     ap.add_argument("--quantizer-case", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quantizer", action="store_true",
@@ -229,7 +247,7 @@ def main(argv=None) -> dict:
         print(f"{round_ + 1:5d} {recipe:10s} {layout:9s} {layers:6d} {row['lower_s']:8.2f} "
               f"{row['compile_s']:9.2f} {row['first_step_s']:10.3f} {row['total_s']:8.2f}", flush=True)
 
-    rows = _fastest_of_rounds(cases, args.rounds, lambda c: ["--case", f"{c[2]},{c[1]},{c[0]}"], "total_s", show)
+    rows = _fastest_of_rounds(cases, args.rounds, lambda c: in_fresh_process(__file__, ["--case", f"{c[2]},{c[1]},{c[0]}"]), "total_s", show)
     print("\nfastest of each case:")
     for r in rows:
         print(f"{r['recipe']:10s} {'scanned' if r['scan_layers'] else 'unrolled':9s} {r['layers']:6d} "
