@@ -77,3 +77,25 @@ def test_bytes_are_uniform_and_independent():
 def test_too_many_elements_is_an_error():
     with pytest.raises(ValueError, match="at most 34359738368 elements"):
         F.stochastic_rounding_bits(jax.random.key(0), (2**20, 2**16))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_pass_wide_draws_equal_one_draw_per_tensor(jit):
+    """The quantizer's one-call forms are bit for bit the per-tensor ones they replace: `sr_keys`
+    is `fold_in(key, 0), fold_in(key, 1)` (raw, typed threefry and typed rbg keys), and
+    `stochastic_rounding_bits_group` each tensor's own `stochastic_rounding_bits`, whatever the
+    sizes (a tensor that ends mid-group before the next one). A grouped draw that shifted
+    a tensor's counters, swapped its key words or dropped its tail would differ."""
+    from nvfp4_jax.quant.nvfp4_backend import sr_keys
+
+    wrap = jax.jit if jit else (lambda f: f)
+    for key in (jax.random.PRNGKey(3), jax.random.key(7), jax.random.key(7, impl="rbg")):
+        data = jax.random.key_data if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else np.asarray
+        got = wrap(sr_keys)(key)
+        for k, d in zip(got, (0, 1)):
+            np.testing.assert_array_equal(data(k), data(jax.random.fold_in(key, d)))
+    keys = [jax.random.PRNGKey(1), jax.random.key(2), jax.random.PRNGKey(9)]
+    shapes = [(5, 3), (32, 7), (3,)]  # 15 elements: a partial group before the next tensor
+    grouped = wrap(lambda *ks: F.stochastic_rounding_bits_group(list(ks), shapes))(*keys)
+    for key, shape, noise in zip(keys, shapes, grouped):
+        np.testing.assert_array_equal(noise, F.stochastic_rounding_bits(key, shape))
