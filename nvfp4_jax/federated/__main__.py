@@ -51,6 +51,14 @@ Options:
                             every site or one per site (silos of unequal size: each site's
                             budget is a multiple of its own global batch, and the counts must be
                             multiples of the smallest)
+  --silo-shares P           off | equal | static | adaptive (default off): inside a site of
+                            several devices, off trains FSDP over them; a policy gives each
+                            device its own share of the site's step batch (microbatches of
+                            --silo-microbatch rows, default 1), re-split every round by the
+                            budget controller (--ema, --deadband) from each device's measured
+                            time (federated/silo.py)
+  --device-slowdown SITE=F1,F2,...   (repeatable) experiments: stretch each device of SITE by
+                            its factor (>= 1, one per device); needs --silo-shares
   --weighting W             data | samples (default data): FedAvg weights each site's update by
                             its training tokens (FedAvg's definition), or by the samples it
                             trained in the round (leans toward the sites given more)
@@ -125,6 +133,9 @@ def _parser() -> CommandParser:
     p.add_argument("--slowdown", default="")
     p.add_argument("--watts", default="")
     p.add_argument("--site-devices", default="1")
+    p.add_argument("--silo-shares", default="off")
+    p.add_argument("--silo-microbatch", type=int, default=1)
+    p.add_argument("--device-slowdown", action="append", default=[])
     p.add_argument("--min-responses", type=int, default=0)
     p.add_argument("--weighting", default="data")
     p.add_argument("--env", default="sim")
@@ -159,6 +170,47 @@ def _site_devices(text: str, n: int) -> list[int]:
     if any(k < 1 for k in counts):
         raise ConfigError(f"--site-devices={text!r}: every count must be at least 1")
     return counts
+
+
+def _silo(args, cfg, site_devices: list[int]) -> tuple:
+    """(the silo policy, {site: per-device slowdowns}) of --silo-shares and --device-slowdown."""
+    # silo loads jax (for its trainer): only when per-device shares are asked for
+    from nvfp4_jax.federated import silo as silo_lib
+
+    if args.silo_shares == "off":
+        if args.device_slowdown:
+            raise ConfigError("--device-slowdown stretches per-device shares: give --silo-shares equal|static|adaptive")
+        return silo_lib.SiloPolicy(), {}
+    policy = silo_lib.SiloPolicy(name=args.silo_shares, microbatch=args.silo_microbatch, ema=args.ema,
+                                 deadband=args.deadband)
+    if max(site_devices) < 2:
+        raise ConfigError(f"--silo-shares={args.silo_shares} splits a site's step between its devices: give some "
+                          "site several (--site-devices 2, or 1,2,4)")
+    try:
+        for k in site_devices:
+            silo_lib.check_silo(policy, k, global_batch_size(cfg.train.per_device_batch_size, k))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    names = [f"site-{i}" for i in range(1, len(site_devices) + 1)]
+    slowdowns = {}
+    for text in args.device_slowdown:
+        site, _, factors = text.partition("=")
+        if site not in names:
+            raise ConfigError(f"--device-slowdown {text!r}: {site!r} is not a site (one of {', '.join(names)})")
+        k = site_devices[names.index(site)]
+        if k == 1:
+            raise ConfigError(f"--device-slowdown {text!r}: {site} has one device; slow it with --slowdown")
+        try:
+            values = tuple(float(f) for f in factors.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != k or not all(f >= 1.0 for f in values):
+            raise ConfigError(f"--device-slowdown {text!r}: {site} has {k} devices; give {k} comma-separated "
+                              "factors >= 1")
+        if site in slowdowns:
+            raise ConfigError(f"--device-slowdown names {site} twice")
+        slowdowns[site] = values
+    return policy, slowdowns
 
 
 def _floats(text: str, n: int, name: str, default: float | None) -> list:
@@ -284,6 +336,7 @@ def build_spec(argv: list[str]):
     if args.crash_site_in_round:
         site, _, rnd = args.crash_site_in_round.partition(":")
         crash[site] = int(rnd)
+    silo, device_slowdowns = _silo(args, cfg, site_devices)
     run_dir = os.path.abspath(os.path.join(cfg.train.base_output_directory, cfg.train.run_name))
     files = _site_files(args, cfg, merged, run_dir)
     data_paths = list(args.site_data)
@@ -299,6 +352,7 @@ def build_spec(argv: list[str]):
     sites = tuple(
         SiteSpec(name=f"site-{i}", data_path=data_paths[i - 1], slowdown=slowdowns[i - 1], watts=watts[i - 1],
                  devices=site_devices[i - 1], device_offset=sum(site_devices[:i - 1]),
+                 device_slowdown=device_slowdowns.get(f"site-{i}", ()),
                  crash_in_round=crash.get(f"site-{i}", 0))
         for i in range(1, n + 1))
     privacy_options, site_privacy = _privacy_policies(args, [s.name for s in sites], contract)
@@ -308,7 +362,7 @@ def build_spec(argv: list[str]):
         dp_delta=args.dp_delta,
         output_dir=run_dir, min_responses=args.min_responses, round_timeout=args.round_timeout,
         disk_offload=args.disk_offload, stream_tensors=args.stream_tensors, weighting=args.weighting,
-        eval_batches=cfg.train.eval_steps)
+        eval_batches=cfg.train.eval_steps, silo=silo)
     return spec, args, files
 
 

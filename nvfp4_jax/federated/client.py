@@ -7,6 +7,10 @@ Run by FLARE (`ScriptRunner`), one per site, with the site's own arguments:
                         mode pass it; empty (an exported job): the site's own setting (below)
   --devices K           local devices this site trains on (FSDP over them); 0: all
   --slowdown F          experiments: stretch compute time by F (a slower site), >= 1
+  --silo-shares P       off | equal | static | adaptive: FSDP over the site's devices, or each
+                        device its own share of the step (federated/silo.py), with
+                        --silo-microbatch M rows a microbatch, --silo-ema, --silo-deadband
+  --device-slowdown F1,F2,...   experiments: stretch each device's compute (silo shares)
   --watts W             energy model, joules = W x busy seconds, where no counter is readable
   --crash-in-round R    fault injection for tests: raise in round R
 
@@ -70,6 +74,11 @@ def _parser() -> CommandParser:
     p.add_argument("--device-offset", type=int, default=0)
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--watts", type=float, default=None)
+    p.add_argument("--silo-shares", default="off")
+    p.add_argument("--silo-microbatch", type=int, default=1)
+    p.add_argument("--silo-ema", type=float, default=0.5)
+    p.add_argument("--silo-deadband", type=float, default=0.05)
+    p.add_argument("--device-slowdown", default="")
     p.add_argument("--crash-in-round", type=int, default=0)
     return p
 
@@ -115,6 +124,7 @@ def _train_round(args, site, spec, received, state):
 
     from nvfp4_jax.config import make_config
     from nvfp4_jax.federated import contract as contract_lib
+    from nvfp4_jax.federated.silo import SiloPolicy
     from nvfp4_jax.federated.site import SiteTrainer
 
     contract = contract_lib.UpdateContract(**spec["contract"])
@@ -129,7 +139,10 @@ def _train_round(args, site, spec, received, state):
         if args.devices:
             start = args.device_offset % len(devices)
             devices = (devices[start:] + devices[:start])[:args.devices]
-        state["trainer"] = SiteTrainer(cfg, contract, devices=devices, slowdown=args.slowdown, watts=args.watts)
+        silo = SiloPolicy(args.silo_shares, args.silo_microbatch, args.silo_ema, args.silo_deadband)
+        device_slowdown = tuple(float(f) for f in args.device_slowdown.split(",")) if args.device_slowdown else None
+        state["trainer"] = SiteTrainer(cfg, contract, devices=devices, slowdown=args.slowdown, watts=args.watts,
+                                       silo=silo, device_slowdown=device_slowdown)
     window = spec.get("schedule_window")
     result = state["trainer"].train_round(received.params, int(spec["budgets"][site]),
                                           schedule_window=None if window is None else tuple(window))
@@ -150,6 +163,8 @@ def _train_round(args, site, spec, received, state):
         "payload_bytes": contract_lib.payload_bytes(payload),
         "data_tokens": getattr(state["trainer"], "data_tokens", None),
     }
+    if getattr(state["trainer"], "silo_record", None) is not None:
+        report["silo"] = state["trainer"].silo_record
     return payload, report, contract
 
 

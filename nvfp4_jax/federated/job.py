@@ -26,6 +26,7 @@ class SiteSpec:
     watts: float | None = None
     devices: int = 0
     device_offset: int = 0
+    device_slowdown: tuple[float, ...] = ()  # experiments: each device's stretch (silo shares)
     crash_in_round: int = 0
 
 
@@ -47,6 +48,7 @@ class FederatedSpec:
     disk_offload: bool = False
     weighting: str = "data"
     stream_tensors: bool = False
+    silo: object = None  # silo.SiloPolicy: per-device shares inside a site (None: FSDP)
     name: str = "nvfp4_jax_fedavg"
 
     def privacy_of(self, site_name: str) -> dict:
@@ -58,8 +60,13 @@ def _client_script() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
 
 
-def _script_args(site: SiteSpec) -> str:
+def _script_args(site: SiteSpec, silo=None) -> str:
     args = [f"--slowdown {site.slowdown}", f"--devices {site.devices}", f"--device-offset {site.device_offset}"]
+    if silo is not None and silo.on:
+        args.append(f"--silo-shares {silo.name} --silo-microbatch {silo.microbatch} --silo-ema {silo.ema} "
+                    f"--silo-deadband {silo.deadband}")
+    if site.device_slowdown:
+        args.append(f"--device-slowdown {','.join(str(f) for f in site.device_slowdown)}")
     if site.data_path:
         args.append(f"--data-path {site.data_path}")
     if site.watts is not None:
@@ -103,7 +110,7 @@ def build_job(spec: FederatedSpec):
 
         job.to_server(PatientTensorServerStreamer(format="numpy"), id="tensor_server_streamer")
     for site in spec.sites:
-        job.to(ScriptRunner(script=_client_script(), script_args=_script_args(site),
+        job.to(ScriptRunner(script=_client_script(), script_args=_script_args(site, spec.silo),
                             framework=FrameworkType.NUMPY), site.name)
         policy = dict(spec.privacy_of(site.name))
         # FLARE's per-site configuration: this filter goes to this site's config only

@@ -222,6 +222,8 @@ class BudgetedFedAvg(FedAvg):
         self._reports[site] = {k: report.get(k) for k in
                                ("samples", "steps", "seconds", "joules", "energy_source", "payload_bytes", "train_loss",
                                 "data_tokens")}
+        if isinstance(report.get("silo"), dict):  # per-device shares inside the site (silo.py)
+            self._reports[site]["silo"] = report["silo"]
         weight = self._weight(report)
         self._reports[site]["weight"] = weight
         result.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] = weight  # what FedAvg weights the update by

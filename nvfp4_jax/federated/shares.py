@@ -92,6 +92,18 @@ def combine(parts: Sequence[tuple]):
     return jax.tree.map(lambda g: g / count, grads), loss_sum / count
 
 
+def update_fn(optimizer):
+    """`update(state, grads)`: one optimizer step with the combined gradient, jitted."""
+
+    @jax.jit
+    def update(state, grads):
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state)
+
+    return update
+
+
 def split_shares(policy: BudgetPolicy, costs: Sequence[SiteCost], previous: Sequence[int] | None,
                  period_index: int) -> list[int]:
     """Microbatches per worker for the next period: `budget.allocate` over microbatches
@@ -152,12 +164,7 @@ def train_shares(run, *, microbatch: int, initial: Sequence[int], steps: int, pe
     state = resume.state if resume else run.init_state()
 
     grad_fn = share_grad_fn(run.model)
-
-    @jax.jit
-    def update(state, grads):
-        updates, opt_state = run.optimizer.update(grads, state.opt_state, state.params)
-        return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                             opt_state=opt_state)
+    update = update_fn(run.optimizer)
 
     # Compiled before the first measured step, so that the controller measures training, not
     # compilation (which `slowdown` would stretch too); then every process starts together.

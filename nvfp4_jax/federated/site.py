@@ -35,6 +35,7 @@ from flax import traverse_util
 from nvfp4_jax.config import Config
 from nvfp4_jax.federated import energy as energy_lib
 from nvfp4_jax.federated.contract import UpdateContract, trainable_paths
+from nvfp4_jax.federated.silo import SiloPolicy, SiloShares
 from nvfp4_jax.train import assembly
 from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.train import vqa as vqa_lib
@@ -108,9 +109,15 @@ class SiteTrainer:
     """One site's model, optimizer state, data position and jitted step."""
 
     def __init__(self, cfg: Config, contract: UpdateContract, *, devices=None, slowdown: float = 1.0,
-                 watts: float | None = None):
+                 watts: float | None = None, silo: SiloPolicy = SiloPolicy(),
+                 device_slowdown: tuple[float, ...] | None = None):
+        """`silo`: how a site of several devices shares a step between them (off: FSDP over them;
+        else per-device shares, `silo.py`, each device's compute stretched by `device_slowdown`);
+        a one-device site trains its train step either way."""
         if not slowdown >= 1.0:
             raise ValueError(f"slowdown={slowdown} must be >= 1 (a site cannot be faster than its device)")
+        if device_slowdown and not silo.on:
+            raise ValueError("device slowdowns stretch per-device shares: give the silo shares a policy")
         self.cfg, self.contract, self.slowdown, self.watts = cfg, contract, slowdown, watts
         run = assembly.assemble(cfg, devices)
         self.mesh, self.global_batch = run.mesh, run.global_batch
@@ -140,9 +147,15 @@ class SiteTrainer:
         self.data_step = 0  # the site's position in its own data, kept across rounds
         # The size of what this site trains on (FedAvg's weight); None for synthetic data.
         self.data_tokens = self.data.num_tokens
-        # Compiled here, so that a round's measured time (the budget controller's input) is
-        # training, not compilation.
-        self._step = run.train_step.lower(self.state, run.put(self.data.batch(0))).compile()
+        self.silo = None
+        if silo.on and (len(site_devices) > 1 or device_slowdown):
+            self.silo = SiloShares(run, site_devices, silo, device_slowdown)
+            self.silo.warm_up(self.state, self.data.batch(0))  # compiled here, as the train step below
+        else:
+            # Compiled here, so that a round's measured time (the budget controller's input) is
+            # training, not compilation.
+            self._step = run.train_step.lower(self.state, run.put(self.data.batch(0))).compile()
+        self.silo_record = None  # the last round's per-device shares record (silo shares only)
 
     def initial_params(self) -> dict[str, np.ndarray]:
         return flat_params(self.state.params)
@@ -168,10 +181,16 @@ class SiteTrainer:
         for j in range(steps):
             if positions is not None:
                 self.state = self.state.replace(opt_state=_with_schedule_count(self.state.opt_state, positions[j]))
-            self.state, metrics = self._step(self.state, self._batch())
-            losses.append(metrics["loss"])
+            if self.silo is None:
+                self.state, metrics = self._step(self.state, self._batch())
+                losses.append(metrics["loss"])
+            else:
+                self.state, loss = self.silo.step(self.state, self.data.batch(self.data_step))
+                self.data_step += 1
+                losses.append(loss)
         losses = [float(x) for x in jax.device_get(losses)]
         compute = time.perf_counter() - start
+        self.silo_record = self.silo.end_round() if self.silo is not None else None
         if self.slowdown > 1.0:
             time.sleep(compute * (self.slowdown - 1.0))
         seconds = compute * self.slowdown

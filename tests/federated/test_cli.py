@@ -43,7 +43,45 @@ def test_silos_of_unequal_device_counts_from_the_command_line(tmp_path):
     assert [s.devices for s in same.sites] == [2, 2] and same.policy.site_quanta == () and same.policy.quantum == 4
 
 
+def test_per_device_shares_inside_silos_from_the_command_line(tmp_path):
+    spec, _, _ = build_spec(["--sites", "2", "--site-devices", "1,2", "--silo-shares", "adaptive",
+                             "--silo-microbatch", "2", "--device-slowdown", "site-2=1,3", "--ema", "0.7",
+                             "per_device_batch_size=2", f"base_output_directory={tmp_path}"])
+    assert (spec.silo.name, spec.silo.microbatch, spec.silo.ema) == ("adaptive", 2, 0.7)
+    assert [s.device_slowdown for s in spec.sites] == [(), (1.0, 3.0)]
+    pytest.importorskip("nvflare")
+    from nvfp4_jax.federated import job as job_lib
+
+    # What each site's client script is told: its devices' policy and its own stretch.
+    where = job_lib.export(spec, str(tmp_path / "jobs"))
+    with open(os.path.join(where, "app_site-2", "config", "config_fed_client.json")) as f:
+        client = json.load(f)
+    text = json.dumps(client)
+    (args,) = re.findall(r'"task_script_args": "([^"]*)"', text)
+    assert "--silo-shares adaptive --silo-microbatch 2 --silo-ema 0.7" in args and "--device-slowdown 1.0,3.0" in args
+    # Off by default: FSDP inside a site, nothing passed.
+    off, _, _ = build_spec(["--sites", "2", "--site-devices", "2", f"base_output_directory={tmp_path}"])
+    assert not off.silo.on
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--sites", "2", "--site-devices", "1,2", "--silo-shares", "fastest"], "silo shares 'fastest' is not allowed"),
+    (["--sites", "2", "--silo-shares", "adaptive"], "give some site several (--site-devices 2"),
+    (["--sites", "2", "--site-devices", "2", "--silo-shares", "adaptive", "--silo-microbatch", "3",
+      "per_device_batch_size=2"], "--silo-microbatch=3 must be >= 1 and divide the site's 4 rows"),
+    (["--sites", "2", "--site-devices", "2", "--silo-shares", "adaptive", "--silo-microbatch", "4",
+      "per_device_batch_size=2"], "every device needs at least one"),
+    (["--sites", "2", "--site-devices", "2", "--device-slowdown", "site-1=1,2"], "give --silo-shares"),
+    (["--sites", "2", "--site-devices", "1,2", "--silo-shares", "equal", "--device-slowdown", "site-3=1,2"],
+     "'site-3' is not a site"),
+    (["--sites", "2", "--site-devices", "1,2", "--silo-shares", "equal", "--device-slowdown", "site-1=2"],
+     "site-1 has one device; slow it with --slowdown"),
+    (["--sites", "2", "--site-devices", "1,2", "--silo-shares", "equal", "--device-slowdown", "site-2=1,2,3"],
+     "site-2 has 2 devices; give 2 comma-separated factors >= 1"),
+    (["--sites", "2", "--site-devices", "1,2", "--silo-shares", "equal", "--device-slowdown", "site-2=1,0.5"],
+     "factors >= 1"),
+    (["--sites", "2", "--site-devices", "1,2", "--silo-shares", "equal", "--device-slowdown", "site-2=1,2",
+      "--device-slowdown", "site-2=1,3"], "names site-2 twice"),
     (["--sites", "2", "--site-devices", "1,2,4"], "--site-devices='1,2,4' gives 3 counts for 2 sites"),
     (["--sites", "2", "--site-devices", "0"], "every count must be at least 1"),
     (["--sites", "2", "--site-devices", "two"], "must be a whole number, or 2 comma-separated ones"),

@@ -20,14 +20,15 @@ SMALL = ["base_num_decoder_layers=1", "max_target_length=32", "per_device_batch_
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flare_faults")  # sitecustomize.py
 
 
-def _job(tmp_path, *args, env=None):
+def _job(tmp_path, *args, env=None, keys=()):
+    """The job of `args` on SMALL's model (`keys`: config keys over SMALL's)."""
     return subprocess.run(
-        [sys.executable, "-m", "nvfp4_jax.federated", *args, *SMALL, f"base_output_directory={tmp_path}"],
+        [sys.executable, "-m", "nvfp4_jax.federated", *args, *SMALL, *keys, f"base_output_directory={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
 
 
-def _run(tmp_path, *args, env=None):
-    proc = _job(tmp_path, *args, env=env)
+def _run(tmp_path, *args, env=None, keys=()):
+    proc = _job(tmp_path, *args, env=env, keys=keys)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "federated" / "federated.json") as f:
         return proc.stdout, json.load(f)
@@ -74,6 +75,30 @@ def test_silos_of_one_and_two_devices_train_budgets_in_their_own_global_batches(
     assert rounds[0]["budgets"] == {"site-1": 6, "site-2": 6}
     # Per sample, the 2-device silo is the faster (and site-1 is slowed 2x): it gets more.
     assert rounds[1]["budgets"]["site-2"] > rounds[1]["budgets"]["site-1"]
+
+
+def test_hierarchical_silos_adapt_between_sites_and_between_a_silos_devices(tmp_path):
+    # Site-1: 1 device, 6x slower; site-2: 2 devices with per-device shares, its second device 5x
+    # slower: 4 rows a step (2 per device), microbatches of 1 row. (A measured ratio of 5 splits
+    # the 4 microbatches 3:1; only one below 3 would split them 2:2.)
+    _, result = _run(tmp_path, "--sites", "2", "--site-devices", "1,2", "--rounds", "3", "--budget", "adaptive",
+                     "--samples-per-round", "16", "--slowdown", "6,1", "--silo-shares", "adaptive",
+                     "--device-slowdown", "site-2=1,5", keys=["per_device_batch_size=2"],
+                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+    rounds = result["rounds"][1:]
+    silos = [r["sites"]["site-2"]["silo"] for r in rounds]
+    assert "silo" not in rounds[0]["sites"]["site-1"]  # a one-device site trains its train step
+    assert silos[0]["trained_with"] == [2, 2]  # nothing measured yet
+    # From round 2 on the slowed device trains fewer of the step's 4 microbatches, at least one.
+    for s in silos[1:]:
+        assert s["trained_with"] == [3, 1]
+    # Its stretched busy time for the same share is about 5x the other's (CPU noise: > 2x).
+    first = silos[0]
+    assert first["busy_s"][1] > 2 * first["busy_s"][0]
+    # Between the sites, the budgets follow the silos' measured throughput: site-2 gets more.
+    assert rounds[0]["budgets"] == {"site-1": 8, "site-2": 8}
+    assert rounds[2]["budgets"]["site-2"] > rounds[2]["budgets"]["site-1"]
+    assert all(sum(r["budgets"].values()) == 16 and r["budgets"]["site-2"] % 4 == 0 for r in rounds)
 
 
 def test_a_site_that_crashes_mid_round_does_not_corrupt_the_global_model(tmp_path):
