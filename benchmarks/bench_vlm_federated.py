@@ -63,21 +63,6 @@ def _config(seed: int, **keys):
     return make_config(*layers)
 
 
-def _write(folder: str, images: np.ndarray, examples) -> str:
-    """`examples` (digits Examples) as an image_text folder; returns its JSONL path."""
-    import json
-
-    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
-    for image in sorted({e.image for e in examples}):
-        np.save(os.path.join(folder, "images", f"{image}.npy"), images[image])
-    path = os.path.join(folder, image_split.EXAMPLES_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-        for e in examples:
-            f.write(json.dumps({"image": f"images/{e.image}.npy", "prompt": e.prompt, "answer": e.answer,
-                                "type": e.kind}) + "\n")
-    return path
-
-
 def _splits(seed: int, workdir: str):
     """(public JSONL, the private training image ids, the private pool's JSONL)."""
     images, labels = digits.load_images()
@@ -87,14 +72,14 @@ def _splits(seed: int, workdir: str):
     public_ids, private_ids = np.sort(order[:int(PUBLIC_FRACTION * len(order))]), np.sort(order[int(PUBLIC_FRACTION * len(order)):])
     public = [e for i in public_ids for e in digits.examples_of(int(i), int(labels[i])) if e.kind == "caption"]
     pool = [e for i in private_ids for e in digits.examples_of(int(i), int(labels[i]))]
-    return (_write(os.path.join(workdir, "public"), images, public), private_ids,
-            _write(os.path.join(workdir, "pool"), images, pool))
+    return (image_split.write_examples(os.path.join(workdir, "public"), images, public), private_ids,
+            image_split.write_examples(os.path.join(workdir, "pool"), images, pool))
 
 
 def _site_files(seed: int, private_ids, num_sites: int, alpha: float, workdir: str) -> list[str]:
     images, labels = digits.load_images()
     sites = image_split.split_examples(labels, private_ids, num_sites, alpha, seed)
-    return [_write(os.path.join(workdir, f"sites{num_sites}_a{alpha}", f"site-{i}"), images, ex)
+    return [image_split.write_examples(os.path.join(workdir, f"sites{num_sites}_a{alpha}", f"site-{i}"), images, ex)
             for i, ex in enumerate(sites, 1)]
 
 

@@ -54,6 +54,20 @@ def split_examples(labels: np.ndarray, train_ids: np.ndarray, num_sites: int, al
     return out
 
 
+def write_examples(folder: str, images: np.ndarray, examples) -> str:
+    """`examples` (digits Examples) as an image_text folder (`EXAMPLES_FILE` and `images/`, one
+    .npy per image they show); returns the JSONL's path."""
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    for image in sorted({e.image for e in examples}):
+        np.save(os.path.join(folder, "images", f"{image}.npy"), images[image])
+    path = os.path.join(folder, EXAMPLES_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        for e in examples:
+            f.write(json.dumps({"image": f"images/{e.image}.npy", "prompt": e.prompt, "answer": e.answer,
+                                "type": e.kind}) + "\n")
+    return path
+
+
 def write_site_images(directory: str, num_sites: int, alpha: float, seed: int, eval_fraction: float) -> list[dict]:
     """Writes each site's folder `site-<i>/` (examples.jsonl, images/) into `directory` from the
     digits' training split; returns what each holds (its path, images, examples, classes, tasks)."""
@@ -61,16 +75,8 @@ def write_site_images(directory: str, num_sites: int, alpha: float, seed: int, e
     train_ids = split_images(images, eval_fraction, seed)["train"]
     holdings = []
     for i, examples in enumerate(split_examples(labels, train_ids, num_sites, alpha, seed), start=1):
-        folder = os.path.join(directory, f"site-{i}")
-        os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+        path = write_examples(os.path.join(directory, f"site-{i}"), images, examples)
         shown = sorted({e.image for e in examples})
-        for image in shown:
-            np.save(os.path.join(folder, "images", f"{image}.npy"), images[image])
-        path = os.path.join(folder, EXAMPLES_FILE)
-        with open(path, "w", encoding="utf-8") as f:
-            for e in examples:
-                f.write(json.dumps({"image": f"images/{e.image}.npy", "prompt": e.prompt, "answer": e.answer,
-                                    "type": e.kind}) + "\n")
         holdings.append({
             "site": f"site-{i}", "path": path, "images": len(shown), "examples": len(examples),
             "classes": dict(sorted(collections.Counter(int(labels[j]) for j in shown).items())),

@@ -191,13 +191,8 @@ def sr_noise_groups(k0, k1, groups: jax.Array) -> jax.Array:
         return (word >> ((e & np.uint32(3)) << np.uint32(3))) & np.uint32(0xFF)
 
 
-def stochastic_rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint8 noise of `shape`: 8 random bits per element, as Blackwell's SR uses.
-
-    Element i of the row-major flattened shape gets byte i % 8 of threefry2x32 of the counter
-    i // 8 (`sr_noise_groups`): a function of the key and the element's index only, so a
-    kernel that quantizes any tile of the tensor draws the same byte for it.
-    """
+def _sr_counters(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(elements, threefry counters) of a tensor of `shape`; ValueError past the 32-bit counter."""
     n = math.prod(shape)
     groups = -(-n // SR_GROUP)
     if groups > _MAX_SR_GROUPS:
@@ -205,6 +200,17 @@ def stochastic_rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Arra
             f"shape={shape}: stochastic rounding numbers elements with 32-bit counters of "
             f"{SR_GROUP}; at most {SR_GROUP * _MAX_SR_GROUPS} elements, got {n}"
         )
+    return n, groups
+
+
+def stochastic_rounding_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint8 noise of `shape`: 8 random bits per element, as Blackwell's SR uses.
+
+    Element i of the row-major flattened shape gets byte i % 8 of threefry2x32 of the counter
+    i // 8 (`sr_noise_groups`): a function of the key and the element's index only, so a
+    kernel that quantizes any tile of the tensor draws the same byte for it.
+    """
+    n, groups = _sr_counters(shape)
     k0, k1 = sr_key_words(key)
     noise = sr_noise_groups(k0, k1, jnp.arange(groups, dtype=jnp.uint32)).reshape(-1)
     return noise[:n].astype(jnp.uint8).reshape(shape)
@@ -216,14 +222,7 @@ def stochastic_rounding_bits_group(keys, shapes) -> list[jax.Array]:
     the cipher appears once in the program rather than once per tensor."""
     if len(keys) == 1:
         return [stochastic_rounding_bits(keys[0], shapes[0])]
-    sizes = [math.prod(shape) for shape in shapes]
-    groups = [-(-n // SR_GROUP) for n in sizes]
-    for shape, n, g in zip(shapes, sizes, groups):
-        if g > _MAX_SR_GROUPS:
-            raise ValueError(
-                f"shape={shape}: stochastic rounding numbers elements with 32-bit counters of "
-                f"{SR_GROUP}; at most {SR_GROUP * _MAX_SR_GROUPS} elements, got {n}"
-            )
+    sizes, groups = zip(*(_sr_counters(shape) for shape in shapes))
     words = [sr_key_words(key) for key in keys]
     counters = jnp.concatenate([jnp.arange(g, dtype=jnp.uint32) for g in groups])
     # Which tensor each counter belongs to, as a select on the position (fused, not stored).
