@@ -24,7 +24,7 @@ that ignores the per-step overheads a real step has.
 
     .venv/bin/python benchmarks/bench_adaptive.py [--seeds 3] [--quick] [--regimes ddp,pma,hfl] [--out PATH]
 
---quick: one seed, the ddp runs and the steady pma and hfl runs with 2 rounds (about 13 minutes here). Prints one
+--quick: one seed, the ddp runs and the steady pma and hfl runs with 2 rounds (about 10 minutes here). Prints one
 line per run (`regime=... policy=... seed=... makespan_s=...`); writes
 benchmarks/results/adaptive.json (+ adaptive.png with matplotlib).
 """
