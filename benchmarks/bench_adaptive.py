@@ -6,7 +6,7 @@ Regimes:
        of each period's slowest worker wall time, from shares.json), idle = the workers' time
        waiting at the step barriers.
   pma  `python -m nvfp4_jax.federated` in FLARE's simulator (periodic model averaging, FedAvg
-       rounds): 3 sites, 48 samples a round; makespan = the rounds' measured wall times.
+       rounds): 3 sites, 240 samples a round; makespan = the rounds' measured wall times.
   hfl  the same job over silos of unequal device counts with per-device shares inside a silo
        (`--site-devices 2,1 --silo-shares P`): site-1's 2 devices train each step's 8 rows in
        microbatches of 2 rows, site-2 trains 4 rows a step on 1 device; the policy P splits both
@@ -50,7 +50,8 @@ DDP_MODEL = ["model_name=tiny", "base_num_decoder_layers=2", "max_target_length=
              "ici_fsdp_parallelism=1", "quantization=bf16"]
 DDP_STEPS, DDP_PERIOD, DDP_MICROBATCHES = 16, 2, 16
 PMA_MODEL = ["base_num_decoder_layers=2", "max_target_length=64", "per_device_batch_size=2", "eval_steps=2"]
-PMA_SAMPLES, PMA_QUANTUM = 48, 2
+# enough compute a round to stand above FLARE's dispatch and polling (48 until 14abd5f)
+PMA_SAMPLES, PMA_QUANTUM = 240, 2
 SCENARIOS = {"steady": ([1.0, 2.0, 4.0], 0), "midrun": ([1.0, 1.0, 4.0], DDP_STEPS // 2)}
 # a round's samples; rows a device a step (per_device_batch_size); rows a microbatch in the silo
 HFL_SAMPLES, HFL_ROWS, HFL_MICROBATCH = 256, 4, 2
