@@ -24,7 +24,8 @@ that ignores the per-step overheads a real step has.
 
     .venv/bin/python benchmarks/bench_adaptive.py [--seeds 3] [--quick] [--regimes ddp,pma,hfl] [--out PATH]
 
---quick: one seed, the ddp runs and the steady pma and hfl runs with 2 rounds (about 10 minutes here). Prints one
+--quick: one seed, the ddp runs and the steady pma and hfl runs with 2 rounds of half the samples (about 9
+minutes here, by the full runs' per-run times). Prints one
 line per run (`regime=... policy=... seed=... makespan_s=...`); writes
 benchmarks/results/adaptive.json (+ adaptive.png with matplotlib).
 """
@@ -131,10 +132,10 @@ def _round_totals(trained: list[dict]) -> dict:
             "final_loss": trained[-1]["validation_loss"], "splits": [list(r["budgets"].values()) for r in trained]}
 
 
-def run_pma(policy: str, seed: int, rounds: int) -> dict:
+def run_pma(policy: str, seed: int, rounds: int, samples: int = PMA_SAMPLES) -> dict:
     with tempfile.TemporaryDirectory() as out:
         _subprocess([sys.executable, "-m", "nvfp4_jax.federated", "--sites", "3", "--rounds", str(rounds),
-                     "--slowdown", "1,2,4", "--samples-per-round", str(PMA_SAMPLES), "--budget", policy,
+                     "--slowdown", "1,2,4", "--samples-per-round", str(samples), "--budget", policy,
                      *PMA_MODEL, f"seed={seed}", f"base_output_directory={out}"])
         with open(os.path.join(out, "federated", "federated.json")) as f:
             trained = json.load(f)["rounds"][1:]
@@ -143,7 +144,7 @@ def run_pma(policy: str, seed: int, rounds: int) -> dict:
     return _round_totals(trained)
 
 
-def run_hfl(policy: str, seed: int, rounds: int) -> dict:
+def run_hfl(policy: str, seed: int, rounds: int, samples: int = HFL_SAMPLES) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
         _subprocess([sys.executable, "-m", "nvfp4_jax.federated", "--sites", "2", "--site-devices", "2,1",
@@ -151,7 +152,7 @@ def run_hfl(policy: str, seed: int, rounds: int) -> dict:
                      "--silo-microbatch", str(HFL_MICROBATCH),
                      "--slowdown", f"1,{HFL_SITE_SLOWDOWN}",
                      "--device-slowdown", "site-1=" + ",".join(map(str, HFL_DEVICE_SLOWDOWN)),
-                     "--samples-per-round", str(HFL_SAMPLES), *PMA_MODEL, f"per_device_batch_size={HFL_ROWS}",
+                     "--samples-per-round", str(samples), *PMA_MODEL, f"per_device_batch_size={HFL_ROWS}",
                      f"seed={seed}", f"base_output_directory={out}"], env)
         with open(os.path.join(out, "federated", "federated.json")) as f:
             trained = json.load(f)["rounds"][1:]
@@ -180,6 +181,8 @@ def main() -> None:
     a = p.parse_args()
     seeds = 1 if a.quick else a.seeds
     rounds = 2 if a.quick else a.pma_rounds
+    shrink = 2 if a.quick else 1  # --quick: half the rounds' samples too
+    pma_samples, hfl_samples = PMA_SAMPLES // shrink, HFL_SAMPLES // shrink
     regimes = a.regimes.split(",")
     if not regimes or any(r not in REGIMES for r in regimes):
         p.error(f"--regimes={a.regimes!r}: a comma-separated list of {', '.join(REGIMES)}")
@@ -190,8 +193,8 @@ def main() -> None:
         for policy in POLICIES:
             runs = []
             for seed in range(seeds):
-                run = {"ddp": lambda: run_ddp(policy, seed, scenario), "pma": lambda: run_pma(policy, seed, rounds),
-                       "hfl": lambda: run_hfl(policy, seed, rounds)}[regime]
+                run = {"ddp": lambda: run_ddp(policy, seed, scenario), "pma": lambda: run_pma(policy, seed, rounds, pma_samples),
+                       "hfl": lambda: run_hfl(policy, seed, rounds, hfl_samples)}[regime]
                 r = run()
                 runs.append(r)
                 compute = "".join(f" {k}={r[k]:.3f}" for k in ("steady_makespan_s", "compute_makespan_s") if k in r)
@@ -211,9 +214,9 @@ def main() -> None:
         if regime == "ddp":
             block["best_reduction"] = best_reduction(DDP_MICROBATCHES, factors, slow_from, DDP_STEPS)
         elif regime == "hfl":
-            block["best_reduction"] = best_hfl_reduction(HFL_SAMPLES, HFL_ROWS, HFL_MICROBATCH, HFL_DEVICE_SLOWDOWN, HFL_SITE_SLOWDOWN)
+            block["best_reduction"] = best_hfl_reduction(hfl_samples, HFL_ROWS, HFL_MICROBATCH, HFL_DEVICE_SLOWDOWN, HFL_SITE_SLOWDOWN)
         else:
-            block["best_reduction"] = best_reduction(PMA_SAMPLES // PMA_QUANTUM, factors)
+            block["best_reduction"] = best_reduction(pma_samples // PMA_QUANTUM, factors)
         results[f"{regime}/{scenario}"] = block
         print(f"regime={regime} scenario={scenario} reduction_vs_equal: static "
               f"{block['static']['reduction_vs_equal']:+.0%}, adaptive {block['adaptive']['reduction_vs_equal']:+.0%} "
@@ -223,9 +226,9 @@ def main() -> None:
         "ddp": {"model": DDP_MODEL, "steps": DDP_STEPS, "period": DDP_PERIOD, "microbatches": DDP_MICROBATCHES,
                 "processes": 3},
         "regimes": regimes,
-        "pma": {"model": PMA_MODEL, "rounds": rounds, "samples_per_round": PMA_SAMPLES, "sites": 3},
+        "pma": {"model": PMA_MODEL, "rounds": rounds, "samples_per_round": pma_samples, "sites": 3},
         "hfl": {"model": PMA_MODEL + [f"per_device_batch_size={HFL_ROWS}"], "rounds": rounds,
-                "samples_per_round": HFL_SAMPLES, "site_devices": [2, 1], "silo_microbatch": HFL_MICROBATCH,
+                "samples_per_round": hfl_samples, "site_devices": [2, 1], "silo_microbatch": HFL_MICROBATCH,
                 "device_slowdown": {"site-1": list(HFL_DEVICE_SLOWDOWN), "site-2": [HFL_SITE_SLOWDOWN]}},
         "scenarios": {k: {"slowdown": f, "slowdown_from_step": s} for k, (f, s) in SCENARIOS.items()},
         "note": ("makespan: measured wall time of the training (ddp: sum of each period's slowest worker wall "
