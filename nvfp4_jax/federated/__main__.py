@@ -174,21 +174,21 @@ def _site_devices(text: str, n: int) -> list[int]:
 
 def _silo(args, cfg, site_devices: list[int]) -> tuple:
     """(the silo policy, {site: per-device slowdowns}) of --silo-shares and --device-slowdown."""
-    # silo loads jax (for its trainer): only when per-device shares are asked for
-    from nvfp4_jax.federated import silo as silo_lib
+    # budget is pure Python, imported after --help as build_spec's own imports
+    from nvfp4_jax.federated import budget as budget_lib
 
     if args.silo_shares == "off":
         if args.device_slowdown:
             raise ConfigError("--device-slowdown stretches per-device shares: give --silo-shares equal|static|adaptive")
-        return silo_lib.SiloPolicy(), {}
-    policy = silo_lib.SiloPolicy(name=args.silo_shares, microbatch=args.silo_microbatch, ema=args.ema,
+        return budget_lib.SiloPolicy(), {}
+    policy = budget_lib.SiloPolicy(name=args.silo_shares, microbatch=args.silo_microbatch, ema=args.ema,
                                  deadband=args.deadband)
     if max(site_devices) < 2:
         raise ConfigError(f"--silo-shares={args.silo_shares} splits a site's step between its devices: give some "
                           "site several (--site-devices 2, or 1,2,4)")
     try:
         for k in site_devices:
-            silo_lib.check_silo(policy, k, global_batch_size(cfg.train.per_device_batch_size, k))
+            budget_lib.check_silo(policy, k, global_batch_size(cfg.train.per_device_batch_size, k))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     names = [f"site-{i}" for i in range(1, len(site_devices) + 1)]

@@ -194,5 +194,38 @@ def allocate(p: BudgetPolicy, costs: Sequence[SiteCost], previous: Sequence[int]
     return proposal
 
 
+SILO_POLICIES = ("off", "equal", "static", "adaptive")  # off: FSDP over a site's devices
+
+
+@dataclasses.dataclass(frozen=True)
+class SiloPolicy:
+    """How a site with several devices splits its step batch between them (`silo.py`): FSDP
+    (`off`), or `allocate` over microbatches of `microbatch` rows with the policy `name`."""
+
+    name: str = "off"
+    microbatch: int = 1  # rows a microbatch
+    ema: float = 0.5
+    deadband: float = 0.05
+
+    @property
+    def on(self) -> bool:
+        return self.name != "off"
+
+
+def check_silo(policy: SiloPolicy, devices: int, batch_rows: int) -> int:
+    """The step's microbatches for a site of `devices` devices and `batch_rows` rows a step;
+    ValueError (one line, naming the value and what is allowed) otherwise."""
+    if policy.name not in SILO_POLICIES:
+        raise ValueError(f"silo shares {policy.name!r} is not allowed: one of {', '.join(SILO_POLICIES)}")
+    if policy.microbatch < 1 or batch_rows % policy.microbatch:
+        raise ValueError(f"--silo-microbatch={policy.microbatch} must be >= 1 and divide the site's "
+                         f"{batch_rows} rows a step (per_device_batch_size x its devices)")
+    microbatches = batch_rows // policy.microbatch
+    if microbatches < devices:
+        raise ValueError(f"--silo-microbatch={policy.microbatch}: {microbatches} microbatches a step for "
+                         f"{devices} devices; every device needs at least one")
+    return microbatches
+
+
 def by_site(names: Sequence[str], budgets: Sequence[int]) -> Mapping[str, int]:
     return dict(zip(names, (int(b) for b in budgets)))

@@ -124,7 +124,7 @@ def _train_round(args, site, spec, received, state):
 
     from nvfp4_jax.config import make_config
     from nvfp4_jax.federated import contract as contract_lib
-    from nvfp4_jax.federated.silo import SiloPolicy
+    from nvfp4_jax.federated.budget import SiloPolicy
     from nvfp4_jax.federated.site import SiteTrainer
 
     contract = contract_lib.UpdateContract(**spec["contract"])

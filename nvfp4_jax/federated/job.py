@@ -48,7 +48,7 @@ class FederatedSpec:
     disk_offload: bool = False
     weighting: str = "data"
     stream_tensors: bool = False
-    silo: object = None  # silo.SiloPolicy: per-device shares inside a site (None: FSDP)
+    silo: budget_lib.SiloPolicy | None = None  # per-device shares inside a site (None: FSDP)
     name: str = "nvfp4_jax_fedavg"
 
     def privacy_of(self, site_name: str) -> dict:

@@ -9,7 +9,8 @@ dummy rows), and the gradient is the whole batch's token-weighted mean (`shares.
 each device, `shares.combine` of the sums, one optimizer update of the site's state). At every
 round's end the shares are re-split by the budget controller (`budget.allocate` over microbatches:
 EMA of each device's measured per-sample time, the deadband, at least one microbatch a device),
-the same controller that splits the round's samples between the sites; the site's own measured
+the same controller that splits the round's samples between the sites (the policy,
+`budget.SiloPolicy`, and its checks are there too); the site's own measured
 round time then sets its between-site budget.
 
 Every device's share is dispatched before any is awaited, so the devices compute concurrently, and
@@ -27,63 +28,21 @@ FP8 is refused: its amax histories are state a shares step does not carry.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 from typing import Sequence
 
-from nvfp4_jax.federated.budget import BudgetPolicy, SiteCost, allocate, smooth
+import jax
 
-# jax (and the shares numerics) load with the first SiloShares: the command line checks a
-# SiloPolicy without them.
-jax = shares = None
-
-
-def _load_jax() -> None:
-    global jax, shares
-    import jax as jax_module
-
-    from nvfp4_jax.federated import shares as shares_module
-
-    jax, shares = jax_module, shares_module
-
-POLICIES = ("off", "equal", "static", "adaptive")  # off: FSDP over the site's devices
-
-
-@dataclasses.dataclass(frozen=True)
-class SiloPolicy:
-    """How a site with several devices splits its step batch between them (config as data)."""
-
-    name: str = "off"
-    microbatch: int = 1  # rows a microbatch
-    ema: float = 0.5
-    deadband: float = 0.05
-
-    @property
-    def on(self) -> bool:
-        return self.name != "off"
-
-
-def check_silo(policy: SiloPolicy, devices: int, batch_rows: int) -> int:
-    """The step's microbatches for a site of `devices` devices and `batch_rows` rows a step;
-    ValueError (one line, naming the value and what is allowed) otherwise."""
-    if policy.name not in POLICIES:
-        raise ValueError(f"silo shares {policy.name!r} is not allowed: one of {', '.join(POLICIES)}")
-    if policy.microbatch < 1 or batch_rows % policy.microbatch:
-        raise ValueError(f"--silo-microbatch={policy.microbatch} must be >= 1 and divide the site's "
-                         f"{batch_rows} rows a step (per_device_batch_size x its devices)")
-    microbatches = batch_rows // policy.microbatch
-    if microbatches < devices:
-        raise ValueError(f"--silo-microbatch={policy.microbatch}: {microbatches} microbatches a step for "
-                         f"{devices} devices; every device needs at least one")
-    return microbatches
+from nvfp4_jax.federated import shares
+from nvfp4_jax.federated.budget import BudgetPolicy, SiloPolicy, SiteCost, allocate, check_silo, smooth
 
 
 class SiloShares:
     """One site's devices training unequal shares of its step batch; `step` trains one step,
     `end_round` re-splits and returns the round's per-device record."""
 
-    def __init__(self, run, devices: Sequence, policy: SiloPolicy, slowdown: Sequence[float] | None = None):
-        _load_jax()
+    def __init__(self, run, devices: Sequence[jax.Device], policy: SiloPolicy,
+                 slowdown: Sequence[float] | None = None):
         if jax.tree.leaves(run.state_shardings.fp8_meta):
             raise ValueError("silo shares: delayed-scaling FP8 keeps amax histories a shares step does not "
                              "carry; use a stateless recipe (te_nvfp4, fp8 current scaling, bf16)")

@@ -35,7 +35,8 @@ from flax import traverse_util
 from nvfp4_jax.config import Config
 from nvfp4_jax.federated import energy as energy_lib
 from nvfp4_jax.federated.contract import UpdateContract, trainable_paths
-from nvfp4_jax.federated.silo import SiloPolicy, SiloShares
+from nvfp4_jax.federated.budget import SiloPolicy
+from nvfp4_jax.federated.silo import SiloShares
 from nvfp4_jax.train import assembly
 from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.train import vqa as vqa_lib

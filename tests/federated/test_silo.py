@@ -9,7 +9,7 @@ import pytest
 from nvfp4_jax.config import make_config
 from nvfp4_jax.federated import shares
 from nvfp4_jax.federated.contract import UpdateContract
-from nvfp4_jax.federated.silo import SiloPolicy, check_silo
+from nvfp4_jax.federated.budget import SiloPolicy, check_silo
 from nvfp4_jax.federated.site import SiteTrainer
 
 KEYS = {"model_name": "tiny", "base_num_decoder_layers": 1, "quantization": "bf16", "dtype": "float32",
