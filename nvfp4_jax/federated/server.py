@@ -325,7 +325,7 @@ class BudgetedFedAvg(FedAvg):
 
 def round_line(record: dict, num_rounds: int) -> str:
     """A round's line: the global validation loss, then (after round 0) the budgets, the makespan,
-    the bytes sent, the sites that sent nothing, the privacy spent, and an end of the job."""
+    the bytes sent, a silo's per-device shares, the sites that sent nothing, the privacy spent, and an end of the job."""
     line = f"round {record['round']}/{num_rounds}: global validation loss {record['validation_loss']:.4f}"
     if "vqa_accuracy" in record:
         line += f", held-out VQA {record['vqa_accuracy']:.3f} (chance {record['vqa_chance']:.3f})"
@@ -336,6 +336,9 @@ def round_line(record: dict, num_rounds: int) -> str:
         senders = sum(1 for r in (record.get("sites") or {}).values() if not r.get("failed"))
         if record.get("full_model_bytes") and senders:  # what the same sites' full models would be
             line += f" ({100 * record['bytes_sent'] / (senders * record['full_model_bytes']):.1f}% of full models)"
+        silos = {s: r["silo"]["trained_with"] for s, r in (record.get("sites") or {}).items() if r.get("silo")}
+        if silos:  # per-device shares inside a silo: the microbatches each device trained a step
+            line += " | devices " + " ".join(f"{s}={':'.join(map(str, k))}" for s, k in silos.items())
     if record.get("sites"):
         failed = [s for s, r in record["sites"].items() if r.get("failed")]
         if failed:

@@ -149,3 +149,7 @@ def test_a_round_s_makespan_is_its_wall_time_beside_the_slowest_site_s_busy_time
     assert record["compute_makespan_s"] == 0.3
     assert record["idle_s"]["site-1"] == pytest.approx(record["makespan_s"] - 0.1)
     assert "(compute 0.30 s)" in server.round_line(record, 3)
+    assert "devices" not in server.round_line(record, 3)
+    # A silo with per-device shares: its devices' microbatches a step in the line.
+    record["sites"]["site-2"]["silo"] = {"trained_with": [3, 1]}
+    assert " | devices site-2=3:1" in server.round_line(record, 3)
