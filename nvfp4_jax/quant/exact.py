@@ -6,10 +6,14 @@ zero (XLA:CPU does). None of that reaches the functions here: they unpack float3
 integer significands and exponents, do the arithmetic on uint32, and round once, to nearest
 even, with subnormal results and overflow to infinity exactly as IEEE 754 prescribes.
 
-They are meant for the quantizers' scale factors (scalars, or a handful of values per tensor),
-though each is a few dozen element-wise ops with short dependency chains: no loops (a 27-step
-long division, unrolled, followed by a `min` did not compile in minutes on XLA >= 0.11). `div` and `mul` are
-jitted so that eager callers run them as one compiled computation rather than op by op.
+They are meant for the quantizers' scale factors (scalars, or a handful of values per tensor).
+Each is one or two hundred element-wise ops after XLA's simplification, with short dependency
+chains and no loops inside (a 27-step long division, unrolled, followed by a `min` did not compile
+in minutes on XLA >= 0.11). Since XLA's compile time follows the size of the program, a chain of
+dependent operations is best computed by one loop body: `div_or_mul` is the two operations with
+one unpacking and one rounding step, for a loop that runs one per step (`nvfp4.tensor_factors`).
+`div` and `mul` are jitted so that eager callers run them as one compiled computation rather
+than op by op; a Python or numpy constant operand is taken apart at trace time.
 
 Representation used throughout: a finite non-zero magnitude is `sig * 2**(exp - 23)` with
 `sig` in [2**23, 2**24) (uint32) and `exp` its unbiased exponent (int32), subnormals included.
@@ -79,31 +83,27 @@ def round_pack(sig: jax.Array, exp: jax.Array, sticky: jax.Array) -> jax.Array:
     return jnp.where(sig == 0, np.uint32(0), jnp.where(overflow, _INF, out))
 
 
-class _Operands(NamedTuple):
-    """Two float32 operands taken apart: result sign, classes, significands and exponents."""
+class _Side(NamedTuple):
+    """One float32 operand taken apart: its sign bit, its classes, and the significand and
+    exponent of its magnitude (`sig = 2**23, exp = 0` for zero, Inf and NaN, so that no
+    estimate below divides by zero)."""
 
     sign: jax.Array
-    a_nan: jax.Array
-    b_nan: jax.Array
-    a_inf: jax.Array
-    b_inf: jax.Array
-    a_zero: jax.Array
-    b_zero: jax.Array
-    sa: jax.Array
-    ea: jax.Array
-    sb: jax.Array
-    eb: jax.Array
+    nan: jax.Array
+    inf: jax.Array
+    zero: jax.Array
+    sig: jax.Array
+    exp: jax.Array
 
 
-def _operands(a, b) -> _Operands:
-    a, b = jnp.broadcast_arrays(bits(a), bits(b))
-    am, bm = a & _ABS, b & _ABS
-    sa, ea = unpack(am)
-    sb, eb = unpack(bm)
-    return _Operands(
-        (a ^ b) & _SIGN, am > _INF, bm > _INF, am == _INF, bm == _INF, am == 0, bm == 0,
-        sa, ea, sb, eb,
-    )
+def _side(x) -> _Side:
+    b = bits(x)
+    mag = b & _ABS
+    zero = mag == 0
+    sig, exp = unpack(mag)
+    special = (mag >= _INF) | zero
+    return _Side(b & _SIGN, mag > _INF, mag == _INF, zero,
+                 jnp.where(special, _HIDDEN, sig), jnp.where(special, 0, exp))
 
 
 _ONE = np.uint32(0x3F800000)  # the bits of 1.0f
@@ -116,6 +116,41 @@ def _remainder(num: jax.Array, q: jax.Array, sb: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(num - q * sb, jnp.int32)
 
 
+def _quotient(a: _Side, b: _Side):
+    """`(q, exp, sticky)`: a / b is `q * 2**exp`, plus something below it when `sticky` (see `div`)."""
+    # Estimate: both significands as floats in [1, 2), so the quotient is a normal number on
+    # every backend, flush-to-zero included; the float -> uint32 conversion truncates (q > 0).
+    ma, mb = from_bits((a.sig & _FRAC) | _ONE), from_bits((b.sig & _FRAC) | _ONE)
+    q = (ma / mb * np.float32(2.0**_QUOTIENT_BITS)).astype(jnp.uint32)
+    num = a.sig << np.uint32(_QUOTIENT_BITS)  # the low 32 bits of sa * 2**25 are all we need
+    r = _remainder(num, q, b.sig)
+    step = jnp.floor(r.astype(jnp.float32) / b.sig.astype(jnp.float32)).astype(jnp.int32)
+    q = q + lax.bitcast_convert_type(step, jnp.uint32)
+    r = _remainder(num, q, b.sig)
+    sb = b.sig.astype(jnp.int32)
+    low, high = r < 0, r >= sb
+    q = q - low.astype(jnp.uint32) + high.astype(jnp.uint32)
+    r = r + jnp.where(low, sb, 0) - jnp.where(high, sb, 0)
+    return q, a.exp - b.exp - _QUOTIENT_BITS, r != 0
+
+
+def _product(a: _Side, b: _Side):
+    """`(top, exp, sticky)` of a * b: the 48-bit product of the significands from 12-bit limbs,
+    its top bits (p >> 20) and whether any below them are set."""
+    m12 = np.uint32(0xFFF)
+    ah, al, bh, bl = a.sig >> 12, a.sig & m12, b.sig >> 12, b.sig & m12
+    lo = al * bl
+    mid = ah * bl + al * bh + (lo >> 12)
+    top = ah * bh * np.uint32(16) + (mid >> 8)
+    return top, a.exp + b.exp - 26, ((mid & np.uint32(0xFF)) != 0) | ((lo & m12) != 0)
+
+
+def _finish(a: _Side, b: _Side, mag, nan, inf, zero) -> jax.Array:
+    """The float32 result: `mag` (rounded magnitude bits) unless a special case decides it."""
+    mag = jnp.where(inf, _INF, jnp.where(zero, np.uint32(0), mag))
+    return from_bits(jnp.where(nan, _QNAN, mag | (a.sign ^ b.sign)))
+
+
 @jax.jit
 def div(a, b) -> jax.Array:
     """`a / b` in float32, correctly rounded (IEEE 754, round to nearest even).
@@ -126,46 +161,34 @@ def div(a, b) -> jax.Array:
     `r = sa * 2**25 - q * sb` is small, so it is exact modulo 2**32; one step moves q by
     floor(r / sb) (within one of the truth), one more by the sign of r and r - sb. `round_pack`
     then rounds `q` (plus a sticky bit for r != 0) once, at whatever the result's exponent is.
-    About 40 element-wise ops and no long dependency chain: XLA compiles it in milliseconds.
+    No long dependency chain: XLA compiles it in milliseconds.
     """
-    o = _operands(a, b)
-    special_a = o.a_zero | o.a_inf | o.a_nan
-    special_b = o.b_zero | o.b_inf | o.b_nan
-    sa = jnp.where(special_a, _HIDDEN, o.sa)
-    sb = jnp.where(special_b, _HIDDEN, o.sb)
-    # Estimate: both significands as floats in [1, 2), so the quotient is a normal number on
-    # every backend, flush-to-zero included; the float -> uint32 conversion truncates (q > 0).
-    ma, mb = from_bits((sa & _FRAC) | _ONE), from_bits((sb & _FRAC) | _ONE)
-    q = (ma / mb * np.float32(2.0**_QUOTIENT_BITS)).astype(jnp.uint32)
-    num = sa << np.uint32(_QUOTIENT_BITS)  # the low 32 bits of sa * 2**25 are all we need
-    r = _remainder(num, q, sb)
-    step = jnp.floor(r.astype(jnp.float32) / sb.astype(jnp.float32)).astype(jnp.int32)
-    q = q + lax.bitcast_convert_type(step, jnp.uint32)
-    r = _remainder(num, q, sb)
-    low, high = r < 0, r >= sb.astype(jnp.int32)
-    q = q - low.astype(jnp.uint32) + high.astype(jnp.uint32)
-    r = r + jnp.where(low, sb.astype(jnp.int32), 0) - jnp.where(high, sb.astype(jnp.int32), 0)
-    mag = round_pack(q, o.ea - o.eb - _QUOTIENT_BITS, r != 0)
-    nan = o.a_nan | o.b_nan | (o.a_inf & o.b_inf) | (o.a_zero & o.b_zero)
-    mag = jnp.where(o.a_inf | o.b_zero, _INF, jnp.where(o.a_zero | o.b_inf, np.uint32(0), mag))
-    return from_bits(jnp.where(nan, _QNAN, mag | o.sign))
+    a, b = _side(a), _side(b)
+    nan = a.nan | b.nan | (a.inf & b.inf) | (a.zero & b.zero)
+    return _finish(a, b, round_pack(*_quotient(a, b)), nan, a.inf | b.zero, a.zero | b.inf)
 
 
 @jax.jit
 def mul(a, b) -> jax.Array:
     """`a * b` in float32, correctly rounded, subnormal operands and results included."""
-    o = _operands(a, b)
-    # 48-bit product from 12-bit limbs; keep its top bits (p >> 20) and whether any below are set.
-    m12 = np.uint32(0xFFF)
-    ah, al, bh, bl = o.sa >> 12, o.sa & m12, o.sb >> 12, o.sb & m12
-    lo = al * bl
-    mid = ah * bl + al * bh + (lo >> 12)
-    top = ah * bh * np.uint32(16) + (mid >> 8)
-    sticky = ((mid & np.uint32(0xFF)) != 0) | ((lo & m12) != 0)
-    mag = round_pack(top, o.ea + o.eb - 26, sticky)
-    nan = o.a_nan | o.b_nan | (o.a_inf & o.b_zero) | (o.a_zero & o.b_inf)
-    mag = jnp.where(o.a_inf | o.b_inf, _INF, jnp.where(o.a_zero | o.b_zero, np.uint32(0), mag))
-    return from_bits(jnp.where(nan, _QNAN, mag | o.sign))
+    a, b = _side(a), _side(b)
+    nan = a.nan | b.nan | (a.inf & b.zero) | (a.zero & b.inf)
+    return _finish(a, b, round_pack(*_product(a, b)), nan, a.inf | b.inf, a.zero | b.zero)
+
+
+@jax.jit
+def div_or_mul(a, b, multiply) -> jax.Array:
+    """`where(multiply, a * b, a / b)` in float32, each correctly rounded (bit for bit `mul`
+    and `div`), with one unpacking of the operands and one rounding step for both: about 1.5x
+    the program of one of them. For a chain of dependent operations computed by one loop body
+    (`lax.fori_loop`), so that the program holds the arithmetic once however many steps run."""
+    a, b = _side(a), _side(b)
+    picked = [jnp.where(multiply, p, q) for p, q in zip(_product(a, b), _quotient(a, b))]
+    # The same classes decide the special cases; the two operations read them differently.
+    b_zero_or_inf = jnp.where(multiply, b.zero, b.inf)  # with an Inf a: NaN; with a zero a: 0
+    b_inf_or_zero = jnp.where(multiply, b.inf, b.zero)  # with a zero a: NaN; else: Inf
+    nan = a.nan | b.nan | (a.inf & b_zero_or_inf) | (a.zero & b_inf_or_zero)
+    return _finish(a, b, round_pack(*picked), nan, a.inf | b_inf_or_zero, a.zero | b_zero_or_inf)
 
 
 def round_to_grid(x, mantissa_bits: int, min_exp: int) -> jax.Array:

@@ -47,6 +47,36 @@ def test_matches_ieee(op, ref, jit):
     assert_same_floats(got, want)
 
 
+E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+@pytest.mark.parametrize("side", ["numerator", "denominator"])
+@pytest.mark.parametrize("constant", [1.0, 2688.0, -3.0, 448.0, 1 / 3, 0.0, np.inf, np.nan,
+                                      float(np.finfo(np.float32).max), 1e-40])
+def test_division_by_or_of_a_constant_matches_ieee(constant, side):
+    # The factors' divisions have a constant side (2688 / amax, amax / 2688, 1 / S_enc): every
+    # class of the other operand, eagerly and under jit.
+    x = np.concatenate(operands(3))
+    c = np.float32(constant)
+    with np.errstate(all="ignore"):
+        want = c / x if side == "numerator" else x / c
+    got = exact.div(constant, jnp.asarray(x)) if side == "numerator" else exact.div(jnp.asarray(x), constant)
+    assert_same_floats(got, want)
+    assert_same_floats(jax.jit(lambda v: exact.div(constant, v) if side == "numerator" else exact.div(v, constant))(x), want)
+
+
+def test_product_of_the_e4m3_values_and_any_scale_matches_ieee():
+    # What the per-tensor factors' table multiplies (the 256 E4M3 values, 0 and NaN among them)
+    # by every class of scale, subnormal products included.
+    a, b = operands(4, n=512)
+    c = E4M3_VALUES
+    x = np.concatenate([b[:256], np.float32(2.0) ** np.arange(-149, 107, dtype=np.float32)])[:, None]
+    with np.errstate(all="ignore"):
+        want = c[None, :] * x
+    assert_same_floats(jax.jit(lambda v: exact.mul(c, v))(x), want)
+    assert_same_floats(jax.jit(lambda v: exact.mul(v, c))(x), want)
+
+
 def test_division_of_exactly_representable_quotients_and_ties():
     # q * b for 24-bit q and small b: the quotient is exact; halfway products test the rounding.
     rng = np.random.default_rng(1)
@@ -81,3 +111,16 @@ def test_round_to_grid_is_the_cast(dtype, mantissa_bits, min_exp):
     assert_same_floats(got, want)
     assert_same_floats(exact.round_to_grid(jnp.array([np.nan, np.inf, -np.inf], jnp.float32), 3, -6),
                        np.array([np.nan, np.inf, -np.inf], np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_div_or_mul_is_mul_or_div_per_element(jit):
+    # One unpacking and one rounding for both operations: bit for bit `a * b` where asked, `a / b`
+    # elsewhere, for every class of operand (every pair of special values included).
+    a, b = operands(6)
+    multiply = np.random.default_rng(6).integers(0, 2, a.shape).astype(bool)
+    with np.errstate(all="ignore"):
+        products, quotients = a * b, a / b
+    fn = jax.jit(exact.div_or_mul) if jit else exact.div_or_mul
+    assert_same_floats(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(multiply)), np.where(multiply, products, quotients))
+    assert_same_floats(fn(jnp.asarray(a), jnp.asarray(b), True), products)

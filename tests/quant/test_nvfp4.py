@@ -653,6 +653,30 @@ def test_tensor_factors_of_a_vector_equal_each_amax_on_its_own(jit):
                 np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32), err_msg=f"{name}, amax={amax}")
 
 
+def test_tensor_factors_equal_ieee_float32_arithmetic():
+    """The per-tensor factors (one loop over `exact.div_or_mul`) against the spec's four float32
+    operations done one after the other by numpy (IEEE, subnormals kept), bit for bit, at every
+    edge of the arithmetic and at random amaxes, under IEEE and under GPU-legal arithmetic."""
+    from nvfp4_jax.quant import nvfp4
+
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 2**31, 2000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    amax = np.concatenate([EDGE_AMAXES, raw, np.abs(rng.standard_normal(500).astype(np.float32))])
+    f32, fmax = np.float32, np.finfo(np.float32).max
+    values = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(all="ignore"):
+        s_enc = np.where(np.isinf(amax), f32(1.0), np.minimum(f32(2688.0) / amax, fmax))
+        s_dec = f32(1.0) / s_enc
+        enc = np.minimum(f32(1.0) / (values[None, :] * s_dec[:, None]), fmax)
+        want = dict(mult=s_enc * (f32(1.0) / f32(6.0)), decode=amax / f32(2688.0), enc=enc)
+    got = jax.jit(nvfp4.tensor_factors)(jnp.asarray(amax))
+    for name, g in (("mult", got.mult), ("decode", got.decode), ("enc", got.table[..., 1])):
+        g, w = np.asarray(g, np.float32), want[name].astype(np.float32)
+        same = (g.view(np.uint32) == w.view(np.uint32)) | (np.isnan(g) & np.isnan(w))
+        assert same.all(), f"{name}: {np.count_nonzero(~same)} differ, first at amax={amax[np.argwhere(~same)[0][0]]!r}"
+    np.testing.assert_array_equal(np.asarray(got.table[..., 0]), np.broadcast_to(values, enc.shape))
+
+
 def test_operand_group_equals_each_operand_on_its_own():
     """`gemm_operand_group` (one `tensor_factors` for all its operands) returns bit for bit what
     `gemm_operand` gives each operand alone, for every kind of operand one GEMM pass has, on
