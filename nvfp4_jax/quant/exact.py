@@ -7,13 +7,10 @@ integer significands and exponents, do the arithmetic on uint32, and round once,
 even, with subnormal results and overflow to infinity exactly as IEEE 754 prescribes.
 
 They are meant for the quantizers' scale factors (scalars, or a handful of values per tensor).
-Each is one or two hundred element-wise ops after XLA's simplification, with short dependency
-chains and no loops inside (a 27-step long division, unrolled, followed by a `min` did not compile
-in minutes on XLA >= 0.11). Since XLA's compile time follows the size of the program, a chain of
-dependent operations is best computed by one loop body: `div_or_mul` is the two operations with
-one unpacking and one rounding step, for a loop that runs one per step (`nvfp4.tensor_factors`).
-`div` and `mul` are jitted so that eager callers run them as one compiled computation rather
-than op by op; a Python or numpy constant operand is taken apart at trace time.
+Each is one or two hundred element-wise ops after XLA's simplification (about 170 instructions
+for `div`), with short dependency chains and no loops (a 27-step long division, unrolled,
+followed by a `min` did not compile in minutes on XLA >= 0.11). `div` and `mul` are jitted so
+that eager callers run them as one compiled computation rather than op by op.
 
 Representation used throughout: a finite non-zero magnitude is `sig * 2**(exp - 23)` with
 `sig` in [2**23, 2**24) (uint32) and `exp` its unbiased exponent (int32), subnormals included.
@@ -174,21 +171,6 @@ def mul(a, b) -> jax.Array:
     a, b = _side(a), _side(b)
     nan = a.nan | b.nan | (a.inf & b.zero) | (a.zero & b.inf)
     return _finish(a, b, round_pack(*_product(a, b)), nan, a.inf | b.inf, a.zero | b.zero)
-
-
-@jax.jit
-def div_or_mul(a, b, multiply) -> jax.Array:
-    """`where(multiply, a * b, a / b)` in float32, each correctly rounded (bit for bit `mul`
-    and `div`), with one unpacking of the operands and one rounding step for both: about 1.5x
-    the program of one of them. For a chain of dependent operations computed by one loop body
-    (`lax.fori_loop`), so that the program holds the arithmetic once however many steps run."""
-    a, b = _side(a), _side(b)
-    picked = [jnp.where(multiply, p, q) for p, q in zip(_product(a, b), _quotient(a, b))]
-    # The same classes decide the special cases; the two operations read them differently.
-    b_zero_or_inf = jnp.where(multiply, b.zero, b.inf)  # with an Inf a: NaN; with a zero a: 0
-    b_inf_or_zero = jnp.where(multiply, b.inf, b.zero)  # with a zero a: NaN; else: Inf
-    nan = a.nan | b.nan | (a.inf & b_zero_or_inf) | (a.zero & b_inf_or_zero)
-    return _finish(a, b, round_pack(*picked), nan, a.inf | b_inf_or_zero, a.zero | b_zero_or_inf)
 
 
 def round_to_grid(x, mantissa_bits: int, min_exp: int) -> jax.Array:

@@ -96,54 +96,6 @@ class TensorFactors(NamedTuple):
         return TensorFactors(*(field[i] for field in self))
 
 
-# The registers of `_factor_arithmetic`: lanes 0..127 the table (E4M3 value times S_dec, then its
-# reciprocal), then S_enc before its clamp, the decode scale amax / 2688, and S_dec.
-_TABLE, _S_ENC, _DECODE, _S_DEC = slice(0, 128), 128, 129, 130
-_LANES = 131
-
-
-def _clamped_s_enc(quotient, amax):
-    """S_enc = min(2688 / amax, FLT_MAX), 1 when amax is Inf."""
-    return jnp.where(jnp.isinf(amax), jnp.float32(1.0), jnp.minimum(quotient, jnp.float32(F.FLT_MAX)))
-
-
-def _factor_arithmetic(amax: jax.Array) -> jax.Array:
-    """The four correctly rounded steps of the per-tensor factors, in registers `[..., _LANES]`:
-
-        0: S_enc' = 2688 / amax and S_dec_gemm = amax / 2688    (division)
-        1: S_dec = 1 / S_enc, S_enc = min(S_enc', FLT_MAX) (1 for Inf)   (division)
-        2: p_b = s_b * S_dec for the 128 E4M3 bytes          (multiplication)
-        3: enc_b = 1 / p_b                                    (division)
-
-    Each step depends on the one before, so they run as a 4-step loop whose body is one
-    `exact.div_or_mul` over all the lanes, each step keeping its own lanes: the program holds
-    the integer-built arithmetic once instead of four times (XLA's compile time follows the
-    program's size), and the results leave the loop computed once. The bits are those of the
-    four operations one after the other (`exact.div`, `exact.mul`).
-    """
-    amax = amax[..., None]
-    lane = np.arange(_LANES)
-    in_table = lane < 128
-    ones = np.ones(_LANES, np.float32)
-    values = np.where(in_table, np.resize(_E4M3_VALUES, _LANES), np.float32(1.0))
-    scale = np.float32(F.NVFP4_GLOBAL_SCALE)
-    # Step 0's operands: lane _S_ENC holds 2688 / amax, lane _DECODE amax / 2688.
-    a0 = jnp.where(lane == _S_ENC, scale, jnp.where(lane == _DECODE, amax, ones))
-    b0 = jnp.where(lane == _S_ENC, amax, jnp.where(lane == _DECODE, scale, ones))
-    writes = np.stack([(lane == _S_ENC) | (lane == _DECODE), lane == _S_DEC, in_table, in_table])
-
-    def step(k, regs):
-        s_enc = _clamped_s_enc(regs[..., _S_ENC:_S_ENC + 1], amax)
-        b = jnp.select([k == 0, k == 1, k == 2],
-                       [b0, jnp.broadcast_to(s_enc, regs.shape), jnp.broadcast_to(regs[..., _S_DEC:_S_DEC + 1], regs.shape)],
-                       jnp.where(in_table, regs, np.float32(1.0)))
-        a = jnp.where(k == 0, a0, jnp.where(k == 2, values, ones))
-        out = exact.div_or_mul(a, b, k == 2)
-        return jnp.where(jnp.asarray(writes)[k], out, regs)
-
-    return lax.fori_loop(0, 4, step, jnp.ones(amax.shape[:-1] + (_LANES,), jnp.float32))
-
-
 def tensor_factors(amax: jax.Array) -> TensorFactors:
     """Per-tensor factors of `amax` (spec section 2): the block-scale multiplier, the
     block-factor table and the decode scale. `amax` is a float32 scalar, or a vector of the
@@ -153,20 +105,22 @@ def tensor_factors(amax: jax.Array) -> TensorFactors:
     a row per non-negative E4M3 byte: its scale s_b and the encode factor
     enc = min(1 / (s_b * S_dec), FLT_MAX), so blocks look both up by their scale's byte instead
     of dividing. Correctly rounded on every backend (`exact` where hardware arithmetic may not
-    be): three exact divisions and one exact product, one after the other, computed by one loop
-    body (`_factor_arithmetic`); the results leave through `computed_once`, so XLA computes
-    them once, not once per consumer (the table in the shape the blocks' gather reads).
+    be). Three exact divisions and one exact product in all, the two that need only amax in one
+    call; each result leaves through `computed_once`, so XLA computes it once, not once per
+    consumer (the table in the shape the blocks' gather reads).
     """
     amax = jnp.asarray(amax, jnp.float32)
-    regs = _factor_arithmetic(amax)
-    s_enc = _clamped_s_enc(regs[..., _S_ENC], amax)
+    scale = jnp.full_like(amax, F.NVFP4_GLOBAL_SCALE)
+    (quotients,) = F.computed_once(exact.div(jnp.stack([scale, amax]), jnp.stack([amax, scale])))
+    s_enc = jnp.where(jnp.isinf(amax), jnp.float32(1.0), jnp.minimum(quotients[0], jnp.float32(F.FLT_MAX)))
+    (s_dec,) = F.computed_once(exact.div(1.0, s_enc))
     # S_enc is a normal number (at least 2688 / FLT_MAX) or NaN, and so is its product with
     # fl32(1/6): a float32 multiply of normals with a normal result is correctly rounded on
     # every IEEE backend. The other factors can be subnormal: `exact` rounds them.
     mult = s_enc * _ONE_SIXTH
     values = jnp.broadcast_to(_E4M3_VALUES, amax.shape + _E4M3_VALUES.shape)
-    enc = jnp.minimum(regs[..., _TABLE], jnp.float32(F.FLT_MAX))
-    scalars, table = F.computed_once(jnp.stack([mult, _tiny_multiplier(mult), regs[..., _DECODE]]),
+    enc = jnp.minimum(exact.div(1.0, exact.mul(values, s_dec[..., None])), jnp.float32(F.FLT_MAX))
+    scalars, table = F.computed_once(jnp.stack([mult, _tiny_multiplier(mult), quotients[1]]),
                                      jnp.stack([values, enc], axis=-1))
     return TensorFactors(scalars[0], scalars[1], table, scalars[2])
 

@@ -112,15 +112,3 @@ def test_round_to_grid_is_the_cast(dtype, mantissa_bits, min_exp):
     assert_same_floats(exact.round_to_grid(jnp.array([np.nan, np.inf, -np.inf], jnp.float32), 3, -6),
                        np.array([np.nan, np.inf, -np.inf], np.float32))
 
-
-@pytest.mark.parametrize("jit", [False, True])
-def test_div_or_mul_is_mul_or_div_per_element(jit):
-    # One unpacking and one rounding for both operations: bit for bit `a * b` where asked, `a / b`
-    # elsewhere, for every class of operand (every pair of special values included).
-    a, b = operands(6)
-    multiply = np.random.default_rng(6).integers(0, 2, a.shape).astype(bool)
-    with np.errstate(all="ignore"):
-        products, quotients = a * b, a / b
-    fn = jax.jit(exact.div_or_mul) if jit else exact.div_or_mul
-    assert_same_floats(fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(multiply)), np.where(multiply, products, quotients))
-    assert_same_floats(fn(jnp.asarray(a), jnp.asarray(b), True), products)

@@ -654,9 +654,9 @@ def test_tensor_factors_of_a_vector_equal_each_amax_on_its_own(jit):
 
 
 def test_tensor_factors_equal_ieee_float32_arithmetic():
-    """The per-tensor factors (one loop over `exact.div_or_mul`) against the spec's four float32
-    operations done one after the other by numpy (IEEE, subnormals kept), bit for bit, at every
-    edge of the arithmetic and at random amaxes, under IEEE and under GPU-legal arithmetic."""
+    """The per-tensor factors against the spec's four float32 operations done one after the other
+    by numpy (IEEE, subnormals kept), bit for bit, at every edge of the arithmetic and at random
+    amaxes, under IEEE and under GPU-legal arithmetic."""
     from nvfp4_jax.quant import nvfp4
 
     rng = np.random.default_rng(5)
