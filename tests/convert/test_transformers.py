@@ -14,6 +14,8 @@ from nvfp4_jax.train import params_checkpoint as params_lib
 from nvfp4_jax.convert.checkpoints import from_hf, to_hf
 from nvfp4_jax.model import Llama
 
+pytestmark = pytest.mark.torch
+
 # Imported by the tests that run, not at collection: transformers takes seconds to import.
 torch = transformers = None
 

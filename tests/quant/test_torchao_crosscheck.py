@@ -35,7 +35,7 @@ mx_tensor = _import_torchao("torchao.prototype.mx_formats.mx_tensor")
 from nvfp4_jax.quant import quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from nvfp4_jax.quant.formats import unpack_nibbles  # noqa: E402
 
-pytestmark = [pytest.mark.crosscheck, pytest.mark.usefixtures("arithmetic")]
+pytestmark = [pytest.mark.crosscheck, pytest.mark.torch, pytest.mark.usefixtures("arithmetic")]
 
 TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
