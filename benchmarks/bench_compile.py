@@ -22,7 +22,9 @@ multiple of bf16's beside it (goal: at most 1.5x on every supported JAX), and th
 of `jax.jit(quantize_nvfp4)` on a 32x64 tensor (goal: under 1 s). Writes
 `benchmarks/results/compile_presets_jax<version>.json`, one file per JAX (run it from each leg's
 environment). `--quantizer` measures only the quantizer's compile (`--rounds` fresh processes),
-into `benchmarks/results/compile_quantizer_jax<version>.json`.
+into `benchmarks/results/compile_quantizer_jax<version>.json`. `--diagnose hardware_factors,
+constant_sr_keys` adds te_nvfp4 cases with one part of the quantizer's program replaced by a
+cheaper stand-in with wrong bits (`DIAGNOSTICS`): upper bounds on what that part costs.
 """
 
 from __future__ import annotations
@@ -83,14 +85,42 @@ def _fastest_of_rounds(cases, rounds: int, run_case, key: str, show) -> list[dic
 PRESET_GOAL = 1.5  # te_nvfp4's first step at most 1.5x bf16's
 
 
-def measure_preset(preset: str, scan: bool, recipe: str) -> dict:
-    """Set-up, lower, compile and first-step seconds of one preset's train step (this process)."""
+# Diagnostics (`--diagnose`): te_nvfp4's first step with one part of the quantizer's program
+# replaced by something cheaper that gives WRONG bits: upper bounds on what making that part
+# cheaper could save, never results of the recipe.
+DIAGNOSTICS = {
+    "hardware_factors": "exact.div and exact.mul (the per-tensor factors' integer-built, correctly "
+    "rounded arithmetic) replaced by float32 hardware division and multiplication",
+    "constant_sr_keys": "every projection's stochastic-rounding key is PRNGKey(0) instead of its "
+    "own key from the rng stream (no per-module key derivation in the program)",
+}
+
+
+def _apply_diagnostic(name: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    from nvfp4_jax.quant import exact, flax_dot
+
+    if name == "hardware_factors":
+        exact.div = lambda a, b: jnp.asarray(a, jnp.float32) / jnp.asarray(b, jnp.float32)
+        exact.mul = lambda a, b: jnp.asarray(a, jnp.float32) * jnp.asarray(b, jnp.float32)
+    elif name == "constant_sr_keys":
+        flax_dot.QuantDotGeneral._sr_key = lambda self, recipe: jax.random.PRNGKey(0)
+    else:
+        raise ValueError(f"diagnostic {name!r}: not one of {', '.join(DIAGNOSTICS)}")
+
+
+def measure_preset(preset: str, scan: bool, recipe: str, diagnostic: str = "") -> dict:
+    """Set-up, lower, compile and first-step seconds of one preset's train step (this process),
+    with `diagnostic` (a `DIAGNOSTICS` name) applied first when given."""
     import jax
     from _harness import StepCase
     from nvfp4_jax import sharding
     from nvfp4_jax.config import MeshConfig, make_config
     from nvfp4_jax.train.build import build_model
 
+    if diagnostic:
+        _apply_diagnostic(diagnostic)
     cfg = make_config({"model_name": preset, "scan_layers": scan, "quantization": recipe,
                        "dataset_type": "synthetic"})
     mesh = sharding.make_mesh(MeshConfig(ici_fsdp_parallelism=1), devices=jax.devices()[:1])
@@ -100,7 +130,8 @@ def measure_preset(preset: str, scan: bool, recipe: str) -> dict:
     case.compile()
     case.run()
     first = case.lower_s + case.compile_s + case.first_step_s
-    return dict(preset=preset, scan_layers=scan, recipe=recipe, layers=cfg.model.base_num_decoder_layers,
+    return dict(preset=preset, scan_layers=scan, recipe=recipe, diagnostic=diagnostic or None,
+                layers=cfg.model.base_num_decoder_layers,
                 setup_s=round(setup_s, 2), lower_s=round(case.lower_s, 2), compile_s=round(case.compile_s, 2),
                 run_s=round(case.first_step_s, 3), first_step_s=round(first, 2), loss=round(case.loss, 4))
 
@@ -140,21 +171,26 @@ def presets_main(args) -> dict:
     trees = {head: __file__}
     if args.baseline:
         trees[args.baseline_revision or "baseline"] = str(Path(args.baseline) / "benchmarks" / "bench_compile.py")
-    cases = [(rev, p, layout, r) for p in args.presets.split(",") for layout in args.layouts.split(",")
+    diagnostics = [d for d in (args.diagnose or "").split(",") if d]
+    cases = [(rev, p, layout, r, "") for p in args.presets.split(",") for layout in args.layouts.split(",")
              for r in args.recipes.split(",") for rev in trees]
+    # Diagnostics run from this tree only, beside its own cases.
+    cases += [(head, p, layout, "te_nvfp4", d) for p in args.presets.split(",")
+              for layout in args.layouts.split(",") for d in diagnostics]
     print(f"{'round':5s} {'revision':9s} {'preset':10s} {'layout':9s} {'recipe':9s} {'setup s':>8s} "
           f"{'lower s':>8s} {'compile s':>9s} {'run s':>7s} {'first step s':>12s}", flush=True)
 
     def show(round_, case, row):
-        rev, preset, layout, recipe = case
+        rev, preset, layout, recipe, diagnostic = case
         row["revision"] = rev
+        recipe = f"{recipe}+{diagnostic}" if diagnostic else recipe
         print(f"{round_ + 1:5d} {rev:9s} {preset:10s} {layout:9s} {recipe:9s} {row['setup_s']:8.2f} "
               f"{row['lower_s']:8.2f} {row['compile_s']:9.2f} {row['run_s']:7.3f} {row['first_step_s']:12.2f}",
               flush=True)
 
     def run_case(case):
         rev, *rest = case
-        return in_fresh_process(trees[rev], ["--preset-case", ",".join(rest)])
+        return in_fresh_process(trees[rev], ["--preset-case", ",".join(v for v in rest if v)])
 
     rows = _fastest_of_rounds(cases, args.rounds, run_case, "first_step_s", show)
     ratios = []
@@ -162,7 +198,7 @@ def presets_main(args) -> dict:
         for preset in args.presets.split(","):
             for layout in args.layouts.split(","):
                 by = {r["recipe"]: r for r in rows if r["revision"] == rev and r["preset"] == preset
-                      and r["scan_layers"] == (layout == "scanned")}
+                      and r["scan_layers"] == (layout == "scanned") and not r.get("diagnostic")}
                 if {"bf16", "te_nvfp4"} <= by.keys():
                     ratio = by["te_nvfp4"]["first_step_s"] / by["bf16"]["first_step_s"]
                     spread = [t / b for t in by["te_nvfp4"]["first_steps_s"] for b in by["bf16"]["first_steps_s"]]
@@ -173,6 +209,15 @@ def presets_main(args) -> dict:
                     print(f"{rev:9s} {preset:10s} {layout:9s} te_nvfp4 / bf16 first step = {ratio:.2f}x "
                           f"(rounds {min(spread):.2f}-{max(spread):.2f}x; goal <= {PRESET_GOAL}x: "
                           f"{'met' if ratio <= PRESET_GOAL else 'not met'})", flush=True)
+    for row in rows:
+        if row.get("diagnostic"):
+            bf16 = next((r for r in rows if r["revision"] == row["revision"] and r["preset"] == row["preset"]
+                         and r["scan_layers"] == row["scan_layers"] and r["recipe"] == "bf16"), None)
+            if bf16 is not None:
+                row["over_bf16"] = round(row["first_step_s"] / bf16["first_step_s"], 2)
+                print(f"{row['revision']:9s} {row['preset']:10s} "
+                      f"{'scanned' if row['scan_layers'] else 'unrolled':9s} te_nvfp4+{row['diagnostic']} / "
+                      f"bf16 first step = {row['over_bf16']:.2f}x (a diagnostic: wrong bits)", flush=True)
     result = dict(
         command="python " + " ".join([os.path.relpath(__file__, Path.cwd())] + list(args.argv)),
         **environment(),
@@ -182,6 +227,7 @@ def presets_main(args) -> dict:
         "and optimizer-state init, compiled separately) is recorded beside it and not in the ratio",
         goal=dict(te_nvfp4_over_bf16_max=PRESET_GOAL, quantizer_compile_max_s=1.0),
         quantizer=quantizer,
+        diagnostics={d: DIAGNOSTICS[d] for d in diagnostics},
         ratios=ratios,
         rows=rows,
     )
@@ -196,7 +242,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline", help="with --presets: also run every case from this tree (another "
                     "revision, e.g. `git archive REV | tar -x -C DIR`), in the same rounds")
     ap.add_argument("--baseline-revision", default="", help="the baseline tree's revision, for the results")
-    ap.add_argument("--preset-case", help=argparse.SUPPRESS)  # PRESET,LAYOUT,RECIPE: measure here
+    ap.add_argument("--diagnose", help="with --presets: also time te_nvfp4 with these parts of the "
+                    f"quantizer replaced by cheaper wrong-bits stand-ins ({', '.join(DIAGNOSTICS)})")
+    ap.add_argument("--preset-case", help=argparse.SUPPRESS)  # PRESET,LAYOUT,RECIPE[,DIAGNOSTIC]: measure here
     ap.add_argument("--quantizer-case", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quantizer", action="store_true",
                     help="only the compile time of jit(quantize_nvfp4) on 32x64 and of the per-tensor factors")
@@ -208,12 +256,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--case", help=argparse.SUPPRESS)  # LAYERS,SCAN,RECIPE: measure in this process
     args = ap.parse_args(argv)
     args.argv = list(argv or sys.argv[1:])
+    unknown = [d for d in (args.diagnose or "").split(",") if d and d not in DIAGNOSTICS]
+    if unknown:
+        print(f"error: --diagnose {unknown[0]!r} is not a diagnostic; choose from {', '.join(DIAGNOSTICS)}",
+              file=sys.stderr)
+        sys.exit(2)
     if args.quantizer_case:
         print(json.dumps(measure_quantizer()), flush=True)
         return {}
     if args.preset_case:
-        preset, layout, recipe = args.preset_case.split(",")
-        print(json.dumps(measure_preset(preset, layout == "scanned", recipe)), flush=True)
+        preset, layout, recipe, *diagnostic = args.preset_case.split(",")
+        print(json.dumps(measure_preset(preset, layout == "scanned", recipe, *diagnostic)), flush=True)
         return {}
     if args.quantizer:
         import jax
