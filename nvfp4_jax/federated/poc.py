@@ -10,6 +10,11 @@ download). Two things a real deployment configures are set here for the rehearsa
   component from an installed package unless the site allows it; a real site's admin adds the
   same entry (docs/federated.md, "FLARE's real runtime").
 
+FLARE's `PocEnv.deploy` submits the job a fixed 3 s after starting the processes, and the server
+deploys it to whichever clients have connected by then (at least the job's `min_clients`): on a
+loaded machine a site that connects later is left out of the whole job, silently. `run` submits
+only once every site's client is connected (`wait_for_sites`), or fails naming the ones missing.
+
 The server writes `federated.json` and `global_model.npz` to the job's output directory, as in
 the simulator. FLARE's own logs (the server's and each site's) are copied to
 `<output_dir>/poc_logs/` before the POC workspace is removed.
@@ -28,8 +33,10 @@ import json
 import os
 import shutil
 import sys
+import time
 
 ALLOWED_PREFIX = "nvfp4_jax.federated."
+SITES_CONNECT_TIMEOUT_S = 300.0  # how long the job waits for every site's client to connect
 COMPLETED = "FINISHED:COMPLETED"
 ABNORMAL = "FINISHED:ABNORMAL"  # FLARE's status when a participant lost its job (a killed site)
 
@@ -60,12 +67,30 @@ def allow_package(workspace: str) -> list[str]:
     return written
 
 
+def wait_for_sites(session, site_names: list[str], timeout_s: float = SITES_CONNECT_TIMEOUT_S,
+                   poll_s: float = 1.0) -> None:
+    """Returns once every name in `site_names` is a client connected to the server of the FLARE
+    admin `session` (`get_system_info`); raises PocError naming the missing ones after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        connected = {client.name for client in session.get_system_info().client_info}
+        missing = [name for name in site_names if name not in connected]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise PocError(f"site(s) {', '.join(missing)} did not connect to the POC server within "
+                           f"{timeout_s:.0f} s (connected: {', '.join(sorted(connected)) or 'none'})")
+        time.sleep(poll_s)
+
+
 def run(job, site_names: list[str], workspace: str, output_dir: str, timeout: float = 0.0, rounds: int = 0) -> str:
     """Runs `job` (a FLARE `FedJob`) in a fresh POC deployment under `workspace` with one client
     per name in `site_names`; returns the job's final status. Raises PocError unless it completed,
     or ended FINISHED:ABNORMAL after the server recorded all `rounds` (a site that died mid-job)."""
     # optional dependency (NVFLARE)
     import nvflare.recipe.poc_env as poc_env
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+    from nvflare.recipe.session_mgr import SessionManager
 
     os.environ["NVFLARE_POC_WORKSPACE"] = os.path.abspath(workspace)
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -78,17 +103,30 @@ def run(job, site_names: list[str], workspace: str, output_dir: str, timeout: fl
         allow_package(env.poc_workspace)
         return result
 
+    # PocEnv.deploy submits through its SessionManager; the wait for every site goes first.
+    submit = SessionManager.submit_job
+
+    def submit_when_all_sites_connected(manager, job_):
+        session = new_secure_session(**manager.session_params)
+        try:
+            wait_for_sites(session, list(site_names))
+        finally:
+            session.close()
+        return submit(manager, job_)
+
     os.makedirs(output_dir, exist_ok=True)
     monitor_log = os.path.join(output_dir, "poc_monitor.log")
     status = None
     try:
         poc_env.prepare_poc_provision = provision_and_allow
+        SessionManager.submit_job = submit_when_all_sites_connected
         with open(monitor_log, "w") as log, contextlib.redirect_stdout(log):  # the admin API's job dumps
             job_id = env.deploy(job)
             env.get_job_result(job_id, timeout=timeout)
             status = env.get_job_status(job_id)
     finally:
         poc_env.prepare_poc_provision = provision
+        SessionManager.submit_job = submit
         _keep_logs(env.poc_workspace, os.path.join(output_dir, "poc_logs"))
         with open(monitor_log, "a") as log, contextlib.redirect_stdout(log):
             env.stop(clean_up=True)

@@ -148,3 +148,76 @@ def test_all_rounds_are_recorded_only_when_the_last_round_is_and_the_job_did_not
     record["ended_in_round"] = 1  # every site failed in round 1: the later rounds sent nothing
     (tmp_path / "federated.json").write_text(json.dumps(record))
     assert not recorded_all_rounds(str(tmp_path), 2)
+
+
+class _Session:
+    """A FLARE admin session whose server sees the clients of `connected[i]` at the i-th poll."""
+
+    def __init__(self, connected):
+        self.connected, self.polls, self.closed = list(connected), 0, False
+
+    def get_system_info(self):
+        from types import SimpleNamespace
+
+        names = self.connected[min(self.polls, len(self.connected) - 1)]
+        self.polls += 1
+        return SimpleNamespace(client_info=[SimpleNamespace(name=n) for n in names])
+
+    def close(self):
+        self.closed = True
+
+
+SITES = ["site-1", "site-2", "site-3"]
+
+
+def test_waiting_for_sites_returns_once_all_are_connected_and_names_the_missing_ones():
+    from nvfp4_jax.federated.poc import PocError, wait_for_sites
+
+    late = _Session([["site-2"], ["site-2", "site-3"], SITES])
+    wait_for_sites(late, SITES, poll_s=0)
+    assert late.polls == 3
+    with pytest.raises(PocError, match=r"site\(s\) site-1 did not connect to the POC server within 0 s "
+                                       r"\(connected: site-2, site-3\)"):
+        wait_for_sites(_Session([["site-3", "site-2"]]), SITES, timeout_s=0.05, poll_s=0.01)
+
+
+def test_the_poc_job_is_submitted_only_once_every_site_is_connected(tmp_path, monkeypatch):
+    # FLARE's PocEnv.deploy submits 3 s after starting the processes and the server deploys the job
+    # to the clients connected by then: a site that connects later would sit out the whole job.
+    import nvflare.fuel.flare_api.flare_api as flare_api
+    import nvflare.recipe.poc_env as poc_env
+    from nvflare.recipe.session_mgr import SessionManager
+
+    from nvfp4_jax.federated import poc
+
+    session = _Session([["site-2", "site-3"], ["site-2", "site-3"], SITES])
+    monkeypatch.setattr(flare_api, "new_secure_session", lambda **params: session)
+    monkeypatch.setattr(poc.time, "sleep", lambda s: None)
+    submitted = []
+
+    def flare_submit(manager, job):
+        submitted.append(session.polls)
+        return "job-1"
+
+    monkeypatch.setattr(SessionManager, "submit_job", flare_submit)
+
+    class FakePocEnv:
+        def __init__(self, num_clients, clients):
+            self.poc_workspace = str(tmp_path / "poc")
+
+        def deploy(self, job):  # as PocEnv.deploy: processes started, then submitted
+            return SessionManager({"username": "admin"}).submit_job(job)
+
+        def get_job_result(self, job_id, timeout=0.0):
+            return None
+
+        def get_job_status(self, job_id):
+            return poc.COMPLETED
+
+        def stop(self, clean_up=False):
+            pass
+
+    monkeypatch.setattr(poc_env, "PocEnv", FakePocEnv)
+    assert poc.run(object(), SITES, str(tmp_path / "poc"), str(tmp_path / "out")) == poc.COMPLETED
+    assert submitted == [3] and session.closed  # after the third poll, the first to see all three
+    assert SessionManager.submit_job is flare_submit  # FLARE's own method is back
